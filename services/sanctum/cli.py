@@ -1,0 +1,178 @@
+"""`sanctum generate | make-tiny | bench | serve ...`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="target checkpoint dir or hub id (default: the embedded pair)")
+    p.add_argument("--drafter", help="drafter checkpoint dir or hub id, or 'none' for plain decoding")
+    p.add_argument("--block-size", type=int, help="draft block size (default: drafter config)")
+    p.add_argument("--bits", type=int, help="quantize the drafter at load (4, 8; 0 = none)")
+    p.add_argument("--kv", choices=("fp16", "q8"), help="attention KV cache format")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+
+
+def _load_local(args):
+    from .config import engine_settings
+    from .engine.drafter import load_drafter
+    from .engine.target import load_target
+
+    settings = engine_settings(args.model, args.drafter, args.block_size, args.bits, args.kv)
+    target = load_target(settings.model)
+    drafter = None
+    if settings.drafter:
+        drafter = load_drafter(
+            settings.drafter, target, block_size=settings.block_size, bits=settings.drafter_bits
+        )
+    return settings, target, drafter
+
+
+def cmd_generate(args) -> int:
+    from .engine.sampling import SamplingParams
+    from .engine.speculative import generate
+    from .tokenizer import TextStream
+
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    if args.server:
+        from .api.client import generate_remote
+
+        result = generate_remote(args.server, args, sampling)
+    else:
+        settings, target, drafter = _load_local(args)
+        prompt_ids = target.tokenizer.encode(args.prompt, add_special_tokens=False)
+        stream = TextStream(target.tokenizer, args.stop)
+        t0 = time.perf_counter()
+        tokens, rounds, text, finish = [], [], "", None
+        for step in generate(
+            target, prompt_ids, drafter=drafter, sampling=sampling, max_tokens=args.max_tokens,
+            block_size=settings.block_size, kv_mode=settings.kv_mode, stop_check=stream.check,
+        ):  # fmt: skip
+            tokens.extend(step.tokens)
+            delta = stream.push(step.tokens)
+            text += delta
+            if step.stats is not None:
+                rounds.append({"bs": step.stats.bs, "accepted": step.stats.accepted,
+                               "committed": step.stats.committed})  # fmt: skip
+                if args.verbose:
+                    print(step.stats.line(len(tokens)), file=sys.stderr)
+            if not args.json:
+                print(delta, end="", flush=True)
+            finish = step.finish_reason or finish
+        text += stream.finish()
+        elapsed = time.perf_counter() - t0
+        result = {
+            "tokens": tokens,
+            "text": text,
+            "rounds": rounds,
+            "tau": tau(rounds),
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(tokens),
+            "finish_reason": finish,
+            "elapsed_s": round(elapsed, 4),
+            "tok_per_s": round(len(tokens) / elapsed, 2) if elapsed > 0 else None,
+            "kv": settings.kv_mode,
+            "drafter": settings.drafter,
+        }
+    if args.json:
+        print(json.dumps(result))
+    elif not args.server:
+        print()
+    else:
+        print(result["text"])
+    return 0
+
+
+def tau(rounds: list[dict]) -> float | None:
+    """Mean acceptance length (accepted + 1) over speculative rounds; None without any."""
+    spec = [r for r in rounds if r["bs"] > 1]
+    return round(sum(r["accepted"] + 1 for r in spec) / len(spec), 4) if spec else None
+
+
+def cmd_make_tiny(args) -> int:
+    from .engine.tiny import make_tiny
+
+    target, drafter = make_tiny(args.out, args.kind, args.drafter, args.seed, args.block_size)
+    print(json.dumps({"target": str(target), "drafter": str(drafter)}))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    return bench.main(args)
+
+
+_OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+
+
+def _prefer_openblas() -> None:
+    """On Linux, MLX's CPU wheel links the reference BLAS (~6 GFLOP/s here); restart once with
+    Debian's OpenBLAS preloaded (~100 GFLOP/s) when it is installed. SANCTUM_NO_OPENBLAS=1 opts out."""
+    import os
+
+    if (
+        sys.platform.startswith("linux")
+        and os.path.exists(_OPENBLAS)
+        and _OPENBLAS not in os.environ.get("LD_PRELOAD", "")
+        and not os.environ.get("SANCTUM_NO_OPENBLAS")
+    ):
+        env = dict(os.environ, LD_PRELOAD=_OPENBLAS, SANCTUM_NO_OPENBLAS="1")
+        os.execve(sys.executable, [sys.executable, "-m", "sanctum.cli", *sys.argv[1:]], env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        _prefer_openblas()
+    parser = argparse.ArgumentParser(prog="sanctum", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion (locally, or from a server)")
+    _add_model_flags(g)
+    _add_sampling_flags(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--server", help="HOST:PORT of a running `sanctum serve`")
+    g.add_argument("-v", "--verbose", action="store_true", help="print per-round stats")
+    g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("make-tiny", help="write a tiny random target + drafter (HF layout)")
+    t.add_argument("out")
+    t.add_argument("--kind", default="hybrid", choices=("hybrid", "moe", "next", "dense"))
+    t.add_argument("--drafter", default="dflash", choices=("dflash", "dflash2"))
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--block-size", type=int, default=8)
+    t.set_defaults(func=cmd_make_tiny)
+
+    b = sub.add_parser("bench", help="benchmarks that print figures")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    s = bsub.add_parser("speculative", help="plain vs speculative tok/s, tau, round time split")
+    _add_model_flags(s)
+    s.add_argument("--prompt", default="def fibonacci(n):")
+    s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"sanctum: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Settings: one frozen dataclass per role, built in one place from defaults < environment < flags.
+
+Environment keys keep the seed's names (SANCTUM_MLX_DFLASH2_DIR, SANCTUM_MLX_DFLASH2_BLOCK,
+SANCTUM_MLX_DFLASH2_BITS, SANCTUM_MLX_SSM_LADDER) plus SANCTUM_MODEL, SANCTUM_KV, SANCTUM_HOST,
+SANCTUM_PORT, SANCTUM_CACHE_BYTES, SANCTUM_CACHE_DIR and SANCTUM_HOME.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+DEFAULT_PAIR = ASSETS / "default"  # the trained pair shipped in the package, when present
+
+
+def sanctum_home() -> Path:
+    return Path(os.environ.get("SANCTUM_HOME", Path.home() / ".cache" / "sanctum"))
+
+
+def default_pair() -> tuple[Path, Path]:
+    """(target, drafter) used when no model is named: the shipped trained pair, or else a tiny
+    random pair made on first use (what `make setup` also makes)."""
+    if (DEFAULT_PAIR / "target" / "config.json").is_file():
+        return DEFAULT_PAIR / "target", DEFAULT_PAIR / "drafter"
+    tiny = sanctum_home() / "tiny"
+    if not (tiny / "drafter" / "config.json").is_file():
+        from .engine.tiny import make_tiny
+
+        make_tiny(tiny)
+    return tiny / "target", tiny / "drafter"
+
+
+def _env_int(env, key: str, default: int | None) -> int | None:
+    raw = env.get(key)
+    if raw in (None, ""):
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{key}={raw!r} is not an integer") from None
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the verifier and drafter roles load."""
+
+    model: str
+    drafter: str | None  # None: plain decoding
+    block_size: int | None  # None: the drafter config's
+    drafter_bits: int  # 0: unquantized
+    kv_mode: str  # "fp16" | "q8"
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The prompt cache / ladder store."""
+
+    ladder_depth: int
+    max_bytes: int
+    directory: str | None
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str
+    port: int
+    max_queue: int
+    max_message_bytes: int
+
+
+def engine_settings(
+    model: str | None = None,
+    drafter: str | None = None,
+    block_size: int | None = None,
+    bits: int | None = None,
+    kv_mode: str | None = None,
+    env=os.environ,
+) -> EngineSettings:
+    """Flags (non-None arguments) override the environment, which overrides defaults.
+    `drafter="none"` turns speculation off."""
+    model = model or env.get("SANCTUM_MODEL")
+    drafter = drafter or env.get("SANCTUM_MLX_DFLASH2_DIR")
+    if model is None:
+        default_target, default_drafter = default_pair()
+        model = str(default_target)
+        drafter = drafter or str(default_drafter)
+    if drafter in ("none", ""):
+        drafter = None
+    block = block_size if block_size is not None else _env_int(env, "SANCTUM_MLX_DFLASH2_BLOCK", None)
+    bits = bits if bits is not None else _env_int(env, "SANCTUM_MLX_DFLASH2_BITS", 0)
+    kv = kv_mode or env.get("SANCTUM_KV", "fp16")
+    if kv not in ("fp16", "q8"):
+        raise ValueError(f"kv mode must be fp16 or q8, got {kv!r}")
+    if block is not None and block < 2:
+        raise ValueError(f"block size must be >= 2, got {block}")
+    return EngineSettings(model, drafter, block, 0 if bits in (0, 16) else bits, kv)
+
+
+def cache_settings(
+    ladder: int | None = None, max_bytes: int | None = None, directory: str | None = None, env=os.environ
+) -> CacheSettings:
+    depth = ladder if ladder is not None else _env_int(env, "SANCTUM_MLX_SSM_LADDER", 4)
+    size = max_bytes if max_bytes is not None else _env_int(env, "SANCTUM_CACHE_BYTES", 2 << 30)
+    return CacheSettings(depth, size, directory or env.get("SANCTUM_CACHE_DIR") or None)
+
+
+def server_settings(host: str | None = None, port: int | None = None, env=os.environ) -> ServerSettings:
+    return ServerSettings(
+        host=host or env.get("SANCTUM_HOST", "127.0.0.1"),
+        port=port if port is not None else _env_int(env, "SANCTUM_PORT", 1337),
+        max_queue=_env_int(env, "SANCTUM_MAX_QUEUE", 64),
+        max_message_bytes=_env_int(env, "SANCTUM_MAX_MESSAGE_BYTES", 16 << 20),
+    )

@@ -1,0 +1,470 @@
+"""DFlash and DFlash 2 block drafters (DFLASH.md), split into the two halves a cluster places apart.
+
+- `DraftBody`: the drafter's own layers. Input: the block's input embeddings and the target's taps
+  of newly committed rows; output: the block's final hidden states. Holds no vocabulary-sized
+  weight, so it can run in its own process without a second copy of the target's embedding.
+- `DraftHead`: everything vocabulary-sized: the target's LM head (bound, not copied), the
+  optional output multiplier and logit soft-cap, and DFlash 2's candidate selector.
+
+Knows nothing about Ray, gRPC or the target's caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .target import CheckpointError, read_config, resolve_checkpoint
+
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+_REQUIRED = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """The fields of a DFlash / DFlash 2 config.json that the drafter uses."""
+
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    num_target_layers: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 40960
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    is_causal: bool = True
+    # DFlash 2 only
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @property
+    def is_v2(self) -> bool:
+        return self.architecture == "DFlash2DraftModel"
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "drafter") -> "DrafterConfig":
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise CheckpointError(
+                f"{where}: unknown architecture {archs!r} (expected one of {ARCHITECTURES})"
+            )
+        missing = [k for k in _REQUIRED if k not in raw]
+        dcfg = raw.get("dflash_config") or {}
+        for key in ("target_layer_ids", "mask_token_id"):
+            if key not in dcfg and key not in raw:
+                missing.append(f"dflash_config.{key}")
+        block = raw.get("block_size", dcfg.get("block_size"))
+        if block is None:
+            missing.append("block_size")
+        if missing:
+            raise CheckpointError(f"{where}: config.json is missing {', '.join(missing)}")
+        n_layers = int(raw["num_hidden_layers"])
+        layer_types = tuple(raw.get("layer_types") or ["full_attention"] * n_layers)
+        if len(layer_types) != n_layers:
+            raise CheckpointError(f"{where}: layer_types has {len(layer_types)} entries, {n_layers} layers")
+        if "sliding_attention" in layer_types and not raw.get("sliding_window"):
+            raise CheckpointError(f"{where}: sliding_attention layers need sliding_window")
+        rope_theta = raw.get("rope_theta")
+        rope_scaling = raw.get("rope_scaling")
+        if rope_params := raw.get("rope_parameters"):
+            rope_theta = rope_theta or rope_params.get("rope_theta")
+            if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        opt = {k: dcfg[k] for k in (
+            "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+            "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+        ) if dcfg.get(k) is not None}  # fmt: skip
+        return cls(
+            architecture=arch,
+            hidden_size=int(raw["hidden_size"]),
+            num_hidden_layers=n_layers,
+            num_attention_heads=int(raw["num_attention_heads"]),
+            num_key_value_heads=int(raw["num_key_value_heads"]),
+            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            vocab_size=int(raw["vocab_size"]),
+            block_size=int(block),
+            target_layer_ids=tuple(int(i) for i in dcfg.get("target_layer_ids", raw.get("target_layer_ids"))),
+            mask_token_id=int(dcfg.get("mask_token_id", raw.get("mask_token_id"))),
+            num_target_layers=raw.get("num_target_layers"),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta or 1e6),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+            layer_types=layer_types,
+            sliding_window=raw.get("sliding_window"),
+            is_causal=bool(raw.get("is_causal", True)),
+            **opt,
+        )
+
+
+def default_tap_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+    """Evenly spaced from 1 to n - 3 (36 layers, 5 taps -> 1, 9, 17, 25, 33)."""
+    if num_taps == 1:
+        return (1,)
+    last = max(1, num_target_layers - 3)
+    return tuple(round(1 + i * (last - 1) / (num_taps - 1)) for i in range(num_taps))
+
+
+# ---- the body --------------------------------------------------------------------------
+
+
+class DraftAttention(nn.Module):
+    """Qwen3-style attention whose keys/values are [context rows (cached)] + [block rows]."""
+
+    def __init__(self, cfg: DrafterConfig, sliding: bool):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+        )  # fmt: skip
+        dim = cfg.hidden_size
+        self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.rope = initialize_rope(
+            self.head_dim, cfg.rope_theta, False, cfg.rope_scaling, cfg.max_position_embeddings
+        )
+        self.window = (cfg.sliding_window - 1) if sliding else None
+        self.causal = sliding and cfg.is_causal
+        self.scale = self.head_dim**-0.5
+
+    def _kv(self, x: mx.array, start: int) -> tuple[mx.array, mx.array]:
+        B, S, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(k, offset=start), v
+
+    def add_context(self, ctx: mx.array, start: int, cache: KVCache) -> None:
+        """Project new context rows ([B, C, H] at positions start..) into this layer's cache."""
+        k, v = self._kv(ctx, start)
+        cache.update_and_fetch(k, v)
+
+    def __call__(self, x: mx.array, start: int, cache: KVCache) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=start)
+        k, v = self._kv(x, start)
+        num_ctx = 0
+        if cache.keys is not None and cache.offset > 0:
+            ck, cv = cache.keys_and_values()
+            if self.window is not None:
+                ck, cv = ck[..., -self.window :, :], cv[..., -self.window :, :]
+            num_ctx = ck.shape[2]
+            k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
+        mask = None
+        if self.causal:
+            rows = mx.arange(L)[:, None]
+            cols = mx.arange(num_ctx + L)[None] - num_ctx
+            mask = cols <= rows  # context always visible, block rows causal
+        out = scaled_dot_product_attention(q, k, v, cache=None, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DynamicConv(nn.Module):
+    """DFlash 2's grouped dynamic causal convolution along the block rows."""
+
+    def __init__(self, dim: int, kernel: int, group: int):
+        super().__init__()
+        self.kernel, self.group = kernel, group
+        self.base_kernel = mx.zeros((2, kernel, dim))
+        self.kernel_projection = nn.Linear(dim, 2 * kernel * (dim // group), bias=False)
+
+    def kernels(self, x: mx.array) -> mx.array:
+        B, L, H = x.shape
+        dyn = self.kernel_projection(x).reshape(B, L, 2, self.kernel, H // self.group)
+        return self.base_kernel + mx.repeat(dyn, self.group, axis=-1)  # [B, L, 2, K, H]
+
+    @staticmethod
+    def apply(x: mx.array, kernels: mx.array, which: int) -> mx.array:
+        B, L, H = x.shape
+        out = kernels[:, :, which, 0] * x
+        for o in range(1, kernels.shape[3]):
+            if o >= L:
+                break
+            shifted = mx.concatenate([mx.zeros((B, o, H), x.dtype), x[:, : L - o]], axis=1)
+            out = out + kernels[:, :, which, o] * shifted
+        return out
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_type: str):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, sliding=layer_type == "sliding_attention")
+        self.mlp = DraftMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.is_v2:
+            args = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.attention_conv = DynamicConv(*args)
+            self.mlp_conv = DynamicConv(*args)
+
+    def __call__(self, x: mx.array, start: int, cache: KVCache) -> mx.array:
+        if "attention_conv" not in self:
+            x = x + self.self_attn(self.input_layernorm(x), start, cache)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        y = self.input_layernorm(x)
+        ker = self.attention_conv.kernels(y)
+        y = self.self_attn(DynamicConv.apply(y, ker, 0), start, cache)
+        x = x + DynamicConv.apply(y, ker, 1)
+        y = self.post_attention_layernorm(x)
+        ker = self.mlp_conv.kernels(y)
+        y = self.mlp(DynamicConv.apply(y, ker, 0))
+        return x + DynamicConv.apply(y, ker, 1)
+
+
+class DraftBody(nn.Module):
+    """fc + hidden_norm over the taps, the decoder layers, and the final norm."""
+
+    def __init__(self, cfg: DrafterConfig, tap_width: int):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(tap_width, cfg.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = [DraftLayer(cfg, t) for t in cfg.layer_types]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def context_rows_needed(self) -> int | None:
+        """How many trailing context rows matter (None: all), when every layer slides."""
+        if all(t == "sliding_attention" for t in self.cfg.layer_types):
+            return self.cfg.sliding_window - 1
+        return None
+
+    def __call__(
+        self,
+        block_embeds: mx.array,  # [B, L, H]: embeddings of [anchor, MASK, ...]
+        start: int,  # absolute position of the anchor
+        new_taps: mx.array | None,  # [B, C, n_taps * H_target]: taps of rows start-C .. start-1
+        cache: list[KVCache],
+    ) -> mx.array:  # [B, L, H]
+        if new_taps is not None and new_taps.shape[1] > 0:
+            ctx = self.hidden_norm(self.fc(new_taps))
+            ctx_start = start - new_taps.shape[1]
+            for layer, c in zip(self.layers, cache):
+                layer.self_attn.add_context(ctx, ctx_start, c)
+        h = block_embeds * self.cfg.input_embedding_scale if self.cfg.is_v2 else block_embeds
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, start, c)
+        return self.norm(h)
+
+
+# ---- the head --------------------------------------------------------------------------
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2: re-rank each row's top-k candidates by a low-rank (previous, next) bigram score."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.predecessor_codebook = mx.zeros((cfg.vocab_size, cfg.selector_rank))
+        self.successor_codebook = mx.zeros((cfg.vocab_size, cfg.selector_rank))
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+
+
+class DraftHead(nn.Module):
+    """Turns the body's hidden states into draft tokens (and their draft distribution q)."""
+
+    def __init__(self, cfg: DrafterConfig, lm_head):
+        super().__init__()
+        self.cfg = cfg
+        object.__setattr__(self, "lm_head", lm_head)  # the target's: bound, not our parameter
+        if cfg.is_v2:
+            self.candidate_selector = CandidateSelector(cfg)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """[R, H] -> [R, V] with the config's multiplier and soft-cap."""
+        logits = self.lm_head(hidden).astype(mx.float32)
+        if self.cfg.output_multiplier != 1.0:
+            logits = logits * self.cfg.output_multiplier
+        if cap := self.cfg.final_logit_softcapping:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    def select(
+        self, hidden: mx.array, logits: mx.array, anchor: int, temperature: float, key=None
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """DFlash 2 selection, rows left to right.
+
+        Returns (tokens [R], candidate ids [R, k], candidate probabilities q [R, k]); greedy
+        (temperature 0) takes the argmax and q is one-hot on it.
+        """
+        sel = self.candidate_selector
+        k = min(self.cfg.selector_top_k, logits.shape[-1])
+        cand = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]  # [R, k]
+        cand_logits = mx.take_along_axis(logits, cand, axis=-1)
+        proj = sel.hidden_projection(hidden).astype(mx.float32)  # [R, rank]
+        succ = sel.successor_codebook[cand].astype(mx.float32)  # [R, k, rank]
+        prev = mx.array([anchor])
+        tokens, probs = [], []
+        keys = mx.random.split(key, hidden.shape[0]) if key is not None else None
+        for r in range(hidden.shape[0]):
+            ctx = sel.predecessor_codebook[prev].astype(mx.float32) * proj[r]  # [1, rank]
+            scores = cand_logits[r] + (succ[r] @ ctx[0])  # [k]
+            if temperature <= 0:
+                idx = mx.argmax(scores)
+                q = (mx.arange(k) == idx).astype(mx.float32)
+            else:
+                q = mx.softmax(scores / temperature)
+                idx = mx.random.categorical(mx.log(q + 1e-30), key=keys[r])
+            prev = cand[r, idx][None]
+            tokens.append(prev[0])
+            probs.append(q)
+        return mx.stack(tokens), cand, mx.stack(probs)
+
+
+@dataclass
+class Drafter:
+    """A loaded drafter: config, body, head (head only where the target's LM head lives)."""
+
+    cfg: DrafterConfig
+    body: DraftBody | None
+    head: DraftHead | None
+    bits: int = 0
+    path: Path | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+
+def validate_against_target(cfg: DrafterConfig, num_layers: int, hidden: int, vocab: int, where: str):
+    """Fail at load, naming the mismatch, rather than producing garbage drafts."""
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise CheckpointError(
+            f"{where}: target_layer_ids {bad} are beyond the target's depth ({num_layers} layers)"
+        )
+    if cfg.hidden_size != hidden:
+        raise CheckpointError(
+            f"{where}: drafter hidden_size {cfg.hidden_size} != target hidden size {hidden}"
+        )
+    if cfg.vocab_size != vocab:
+        raise CheckpointError(f"{where}: drafter vocab_size {cfg.vocab_size} != target vocab {vocab}")
+    if not 0 <= cfg.mask_token_id < vocab:
+        raise CheckpointError(f"{where}: mask_token_id {cfg.mask_token_id} outside the vocabulary")
+
+
+def _quantizable(bits: int):
+    def predicate(_path: str, module: nn.Module) -> bool:
+        return isinstance(module, nn.Linear) and module.weight.shape[-1] % 64 == 0
+
+    return predicate
+
+
+def load_drafter(
+    path_or_id: str | Path,
+    target=None,
+    *,
+    block_size: int | None = None,
+    bits: int = 0,
+    parts: str = "both",
+    target_shape: tuple[int, int, int] | None = None,
+) -> Drafter:
+    """Load a DFlash / DFlash 2 checkpoint, checked against the target.
+
+    `parts`: "both" (inline), "body" (a drafter process: no vocabulary-sized weights) or "head"
+    (the verifier's side). `bits` 4 or 8 quantizes the body at load (0 or 16: none).
+    `target_shape` = (num_layers, hidden, vocab) stands in for `target` where it is not loaded.
+    """
+    path = resolve_checkpoint(path_or_id)
+    raw = read_config(path)
+    cfg = DrafterConfig.from_dict(raw, where=str(path))
+    if block_size:
+        if block_size < 2:
+            raise ValueError(f"block size must be at least 2, got {block_size}")
+        cfg = replace(cfg, block_size=int(block_size))
+    if target is not None:
+        target_shape = (target.num_layers, target.hidden_size, target.vocab_size)
+    if target_shape is not None:
+        validate_against_target(cfg, *target_shape, where=str(path))
+    files = sorted(path.glob("model*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: missing weights (no model*.safetensors)")
+    weights = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    tap_width = len(cfg.target_layer_ids) * cfg.hidden_size
+    body = head = None
+    if parts in ("both", "body"):
+        body = DraftBody(cfg, tap_width)
+        _load_weights(body, {k: v for k, v in weights.items() if not k.startswith("candidate_selector.")}, path)
+        if bits and bits not in (16, 0):
+            if bits not in (2, 3, 4, 5, 6, 8):
+                raise ValueError(f"drafter bits must be 0/16 (none) or one of 2-8, got {bits}")
+            nn.quantize(body, group_size=64, bits=bits, class_predicate=_quantizable(bits))
+        mx.eval(body.parameters())
+    if parts in ("both", "head"):
+        if target is None and parts == "both":
+            raise ValueError("the head needs the target's LM head")
+        head = DraftHead(cfg, target.lm_head if target is not None else None)
+        if cfg.is_v2:
+            _load_weights(head, {k: v for k, v in weights.items() if k.startswith("candidate_selector.")}, path)
+        mx.eval(head.parameters())
+    return Drafter(cfg, body, head, bits if bits not in (0, 16) else 0, path)
+
+
+def _load_weights(module: nn.Module, weights: dict, path: Path) -> None:
+    expected = {k for k, _ in _flat(module.parameters())}
+    missing = sorted(expected - set(weights))
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{path}: missing weights {', '.join(missing[:5])}{more}")
+    shapes = dict(_flat(module.parameters()))
+    for k in expected:
+        if tuple(weights[k].shape) != tuple(shapes[k].shape):
+            raise CheckpointError(
+                f"{path}: weight {k} has shape {tuple(weights[k].shape)}, "
+                f"config implies {tuple(shapes[k].shape)}"
+            )
+    module.load_weights([(k, weights[k]) for k in expected], strict=True)
+
+
+def _flat(tree, prefix=""):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(tree, prefix=prefix)

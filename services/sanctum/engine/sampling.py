@@ -1,0 +1,92 @@
+"""Sampling: logits processing (temperature, top-k, top-p) and the speculative acceptance rules.
+
+Pure functions over MLX arrays. The rejection rule keeps the target's distribution exactly:
+accept a draft d with probability min(1, p(d) / q(d)); on the first rejection sample from
+normalize(max(p - q, 0)); if every draft is accepted, sample the bonus token from p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy (top_p / top_k are then irrelevant)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
+    """[R, V] logits -> [R, V] probabilities after temperature, top-k and top-p (float32)."""
+    logits = logits.astype(mx.float32) / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = mx.sort(logits, axis=-1)[:, vocab - params.top_k][:, None]
+        logits = mx.where(logits < kth, -mx.inf, logits)
+    probs = mx.softmax(logits, axis=-1)
+    if params.top_p < 1.0:
+        order = mx.argsort(-probs, axis=-1)
+        sorted_p = mx.take_along_axis(probs, order, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        keep_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) < params.top_p
+        floor = mx.min(mx.where(keep_sorted, sorted_p, mx.inf), axis=-1, keepdims=True)
+        probs = mx.where(probs >= floor, probs, 0.0)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def sample(probs: mx.array, key: mx.array) -> mx.array:
+    """One token per row of [R, V] probabilities."""
+    return mx.random.categorical(mx.log(probs), axis=-1, key=key)
+
+
+def accept_greedy(drafts: mx.array, target_logits: mx.array) -> tuple[int, int]:
+    """drafts [L-1], target logits [L, V] -> (accepted count, bonus token)."""
+    picks = mx.argmax(target_logits, axis=-1)  # [L]
+    match = (drafts == picks[:-1]).astype(mx.int32)
+    accepted = int(mx.cumprod(match).sum().item()) if drafts.size else 0
+    return accepted, int(picks[accepted].item())
+
+
+def accept_sampled(
+    drafts: mx.array,  # [L-1]
+    draft_probs: mx.array,  # [L-1, V]: q, the distribution each draft was sampled from
+    target_probs: mx.array,  # [L, V]: p, processed target distribution per block row
+    key: mx.array,
+) -> tuple[int, int]:
+    """Speculative rejection sampling -> (accepted count, bonus/recovered token)."""
+    n = drafts.shape[0]
+    k_accept, k_fix = mx.random.split(key)
+    rows = mx.arange(n)
+    p_d = target_probs[rows, drafts]
+    q_d = draft_probs[rows, drafts]
+    u = mx.random.uniform(shape=(n,), key=k_accept)
+    ok = (u * q_d < p_d).astype(mx.int32)
+    accepted = int(mx.cumprod(ok).sum().item()) if n else 0
+    if accepted < n:
+        residual = mx.maximum(target_probs[accepted] - draft_probs[accepted], 0.0)
+        total = residual.sum()
+        # p == q exactly leaves no residual mass; p itself is then the right distribution
+        residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), target_probs[accepted])
+        token = sample(residual[None], k_fix)[0]
+    else:
+        token = sample(target_probs[n][None], k_fix)[0]
+    return accepted, int(token.item())

@@ -1,0 +1,328 @@
+"""The decode loop: prefill, then DFlash rounds (draft a block, verify it in one target forward,
+accept, roll back the rest), or plain one-token steps when there is no drafter.
+
+The verifier side runs this loop; the drafter body is reached through a `DraftPeer`, which is a
+plain object in one process (`LocalDraftPeer`) or a proxy to a drafter actor in the cluster:
+this module does not know which.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+import mlx.core as mx
+
+from .drafter import Drafter, DraftHead
+from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
+from .target import Target, VerifyTape, cache_offset
+
+# Rows of taps kept for a drafter that went away, replayed as its context when it returns.
+MAX_PENDING_TAP_ROWS = 4096
+
+
+class DraftUnavailable(RuntimeError):
+    """The drafter cannot answer now (its process died or is restarting): decode plainly."""
+
+
+class DraftPeer(Protocol):
+    """What the verifier needs from the drafter body, wherever it runs."""
+
+    def open(self, seq_id: str) -> None: ...
+
+    def draft(
+        self, seq_id: str, new_taps: mx.array | None, block_embeds: mx.array, start: int
+    ) -> mx.array:
+        """new_taps [C, n_taps*H] of rows start-C..start-1, block_embeds [L, H] -> hidden [L-1, H]."""
+        ...
+
+    def close(self, seq_id: str) -> None: ...
+
+
+class LocalDraftPeer:
+    """The drafter body in this process, with one context cache per open sequence."""
+
+    def __init__(self, drafter: Drafter):
+        self.body = drafter.body
+        self.caches: dict[str, list] = {}
+
+    def open(self, seq_id: str) -> None:
+        self.caches[seq_id] = self.body.make_cache()
+
+    def draft(self, seq_id, new_taps, block_embeds, start):
+        if seq_id not in self.caches:
+            raise DraftUnavailable(f"sequence {seq_id} is not open on this drafter")
+        if new_taps is not None and (keep := self.body.context_rows_needed()) is not None:
+            new_taps = new_taps[-keep:]
+        taps = new_taps[None] if new_taps is not None else None
+        hidden = self.body(block_embeds[None], start, taps, self.caches[seq_id])
+        return hidden[0, 1:]
+
+    def close(self, seq_id: str) -> None:
+        self.caches.pop(seq_id, None)
+
+
+@dataclass
+class RoundStats:
+    """One decode step, in the seed's vocabulary: `bs=8 accepted=7 committed=8`."""
+
+    bs: int  # block size; 1 for a plain step
+    accepted: int  # drafts accepted by the target
+    committed: int  # tokens this step added to the completion
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rollback_s: float = 0.0
+    other_s: float = 0.0
+
+    def line(self, completion_tokens: int) -> str:
+        return (
+            f"bs={self.bs} accepted={self.accepted} committed={self.committed} "
+            f"completion_tokens={completion_tokens}"
+        )
+
+
+@dataclass
+class Step:
+    tokens: list[int]  # newly committed completion tokens
+    stats: RoundStats | None  # None for the token that comes out of prefill
+    finish_reason: str | None = None  # "stop" | "length" once finished
+
+
+@dataclass
+class Sequence:
+    """One request's live state on the verifier."""
+
+    seq_id: str
+    cache: list  # target caches, one per layer
+    cached_tokens: list[int]  # exactly the tokens the cache holds, in order
+    anchor: int | None = None  # last committed token, not yet run through the target
+    completion: list[int] = field(default_factory=list)
+    pending_taps: list[mx.array] = field(default_factory=list)  # taps not yet sent to the drafter
+    draft_open: bool = False
+    finished: str | None = None
+    last_tape: VerifyTape | None = None
+
+
+# (completion so far, new tokens) -> how many of the new tokens to keep, and whether to stop
+StopCheck = Callable[[list[int], list[int]], tuple[int, bool]]
+
+
+class Decoder:
+    """Runs a sequence on the target, speculatively when a drafter head and peer are given."""
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None = None,
+        peer: DraftPeer | None = None,
+        block_size: int | None = None,
+    ):
+        self.target = target
+        self.head: DraftHead | None = drafter.head if drafter else None
+        self.cfg = drafter.cfg if drafter else None
+        self.peer = peer if drafter else None
+        self.block_size = int(block_size or (drafter.block_size if drafter else 1))
+        self.tap_ids = tuple(self.cfg.target_layer_ids) if self.cfg else ()
+        if self.cfg is not None:
+            self.mask_embed = target.embed_tokens(mx.array([self.cfg.mask_token_id]))  # [1, H]
+
+    # ---- sequence lifecycle ------------------------------------------------------------
+    def new_sequence(self, seq_id: str, kv_mode: str = "fp16") -> Sequence:
+        return Sequence(seq_id, self.target.make_cache(kv_mode), [])
+
+    def prefill(
+        self, seq: Sequence, tokens: list[int], stops: tuple[int, ...] = (), on_stop=None
+    ) -> mx.array:
+        """Run `tokens` on top of what the cache holds; returns last-row logits [1, V]."""
+        logits, taps = self.target.prefill(tokens, seq.cache, self.tap_ids, stops, on_stop)
+        seq.cached_tokens.extend(tokens)
+        if self.head is not None:
+            self._queue_taps(seq, taps)
+        return logits
+
+    def start(
+        self,
+        seq: Sequence,
+        logits: mx.array,
+        params: SamplingParams,
+        max_tokens: int,
+        eos_ids: set[int],
+        key: mx.array,
+    ) -> Step:
+        """Commit the first token from the prefill logits."""
+        token = self._sample_one(logits, params, key)
+        return self._commit(seq, [token], max_tokens, eos_ids, None, stats=None)
+
+    def step(
+        self,
+        seq: Sequence,
+        params: SamplingParams,
+        max_tokens: int,
+        eos_ids: set[int],
+        key: mx.array,
+        stop_check: StopCheck | None = None,
+    ) -> Step:
+        """One round: speculative when possible, else one plain token."""
+        if self.peer is not None and self.block_size > 1:
+            try:
+                return self._speculative_round(seq, params, max_tokens, eos_ids, key, stop_check)
+            except DraftUnavailable:
+                seq.draft_open = False  # the next round reopens it on a restarted drafter
+        return self._plain_step(seq, params, max_tokens, eos_ids, key, stop_check)
+
+    def close(self, seq: Sequence) -> None:
+        if self.peer is not None and seq.draft_open:
+            try:
+                self.peer.close(seq.seq_id)
+            except DraftUnavailable:
+                pass
+        seq.draft_open = False
+
+    # ---- internals ---------------------------------------------------------------------
+    def _queue_taps(self, seq: Sequence, taps: list[mx.array] | mx.array) -> None:
+        seq.pending_taps.extend(taps if isinstance(taps, list) else [taps])
+        rows = sum(t.shape[0] for t in seq.pending_taps)
+        if rows > MAX_PENDING_TAP_ROWS:
+            joined = mx.concatenate(seq.pending_taps)[-MAX_PENDING_TAP_ROWS:]
+            seq.pending_taps = [joined]
+
+    def _sample_one(self, logits: mx.array, params: SamplingParams, key: mx.array) -> int:
+        if params.greedy:
+            return int(mx.argmax(logits[-1]).item())
+        return int(sample(probabilities(logits[-1:], params), key)[0].item())
+
+    def _commit(
+        self,
+        seq: Sequence,
+        new: list[int],
+        max_tokens: int,
+        eos_ids: set[int],
+        stop_check: StopCheck | None,
+        stats: RoundStats | None,
+    ) -> Step:
+        """Apply EOS, max_tokens and stop sequences to `new`; returns the step."""
+        keep, reason = len(new), None
+        for j, t in enumerate(new):
+            if t in eos_ids:
+                keep, reason = j, "stop"
+                break
+        budget = max_tokens - len(seq.completion)
+        if keep >= budget:
+            keep, reason = budget, reason or "length"
+        if stop_check is not None and keep > 0:
+            n, stop = stop_check(seq.completion, new[:keep])
+            if stop:
+                keep, reason = n, "stop"
+        kept = new[:keep]
+        seq.completion.extend(kept)
+        if kept:
+            seq.anchor = kept[-1]
+        if reason is not None:
+            seq.finished = reason
+        if stats is not None:
+            stats.committed = len(kept)
+        return Step(kept, stats, reason)
+
+    def _plain_step(self, seq, params, max_tokens, eos_ids, key, stop_check) -> Step:
+        t0 = time.perf_counter()
+        logits, taps = self.target.forward(mx.array([seq.anchor]), seq.cache, self.tap_ids)
+        token = self._sample_one(logits, params, key)
+        seq.cached_tokens.append(seq.anchor)
+        if taps is not None:
+            self._queue_taps(seq, taps)
+        t1 = time.perf_counter()
+        step = self._commit(seq, [token], max_tokens, eos_ids, stop_check, RoundStats(1, 0, 0))
+        step.stats.verify_s, step.stats.other_s = t1 - t0, time.perf_counter() - t1
+        return step
+
+    def _draft(self, seq: Sequence, params: SamplingParams, key: mx.array):
+        """Propose L-1 tokens; returns (drafts [L-1], q [L-1, V] or None when greedy)."""
+        if not seq.draft_open:
+            self.peer.open(seq.seq_id)
+            seq.draft_open = True
+        L = self.block_size
+        start = cache_offset(seq.cache)
+        anchor_embed = self.target.embed_tokens(mx.array([seq.anchor]))
+        block_embeds = mx.concatenate([anchor_embed, mx.repeat(self.mask_embed, L - 1, 0)])
+        new_taps = mx.concatenate(seq.pending_taps) if seq.pending_taps else None
+        hidden = self.peer.draft(seq.seq_id, new_taps, block_embeds, start)  # [L-1, H]
+        seq.pending_taps = []
+        logits = self.head.logits(hidden)  # [L-1, V]
+        if self.cfg.is_v2:
+            temp = 0.0 if params.greedy else params.temperature
+            drafts, cand, cand_q = self.head.select(hidden, logits, seq.anchor, temp, key)
+            if params.greedy:
+                return drafts, None
+            q = mx.put_along_axis(mx.zeros(logits.shape, mx.float32), cand, cand_q, axis=-1)
+            return drafts, q
+        if params.greedy:
+            return mx.argmax(logits, axis=-1), None
+        q = probabilities(logits, params)
+        return sample(q, key), q
+
+    def _speculative_round(self, seq, params, max_tokens, eos_ids, key, stop_check) -> Step:
+        k_draft, k_accept = mx.random.split(key)
+        t0 = time.perf_counter()
+        drafts, q = self._draft(seq, params, k_draft)
+        mx.eval(drafts)
+        t1 = time.perf_counter()
+        block = mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
+        logits, taps, tape = self.target.verify(block, seq.cache, self.tap_ids)
+        if params.greedy:
+            accepted, bonus = accept_greedy(drafts, logits)
+        else:
+            accepted, bonus = accept_sampled(drafts, q, probabilities(logits, params), k_accept)
+        t2 = time.perf_counter()
+        block_ids = block.tolist()
+        stats = RoundStats(self.block_size, accepted, 0, t1 - t0, t2 - t1)
+        step = self._commit(
+            seq, block_ids[1 : accepted + 1] + [bonus], max_tokens, eos_ids, stop_check, stats
+        )
+        # the cache keeps the anchor and the committed tokens but the last (the next anchor)
+        keep = len(step.tokens)
+        self.target.rollback(seq.cache, tape, keep)
+        seq.cached_tokens.extend(block_ids[:keep])
+        self._queue_taps(seq, taps[:keep])
+        mx.eval([c.state for c in seq.cache if not c.empty()])
+        t3 = time.perf_counter()
+        stats.rollback_s = t3 - t2
+        return step
+
+
+def make_key(seed: int | None) -> mx.array:
+    return mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+
+
+def generate(
+    target: Target,
+    prompt_ids: list[int],
+    *,
+    drafter: Drafter | None = None,
+    sampling: SamplingParams = SamplingParams(),
+    max_tokens: int = 64,
+    block_size: int | None = None,
+    kv_mode: str = "fp16",
+    eos_ids: set[int] | None = None,
+    stop_check: StopCheck | None = None,
+) -> Iterator[Step]:
+    """Decode `prompt_ids` in this process (speculatively when a drafter is given)."""
+    if not prompt_ids:
+        raise ValueError("prompt is empty")
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    decoder = Decoder(target, drafter, LocalDraftPeer(drafter) if drafter else None, block_size)
+    eos = set(target.tokenizer.eos_token_ids) if eos_ids is None else eos_ids
+    seq = decoder.new_sequence("local", kv_mode)
+    key = make_key(sampling.seed)
+    try:
+        logits = decoder.prefill(seq, list(prompt_ids))
+        key, sub = mx.random.split(key)
+        step = decoder.start(seq, logits, sampling, max_tokens, eos, sub)
+        yield step
+        while seq.finished is None:
+            key, sub = mx.random.split(key)
+            yield decoder.step(seq, sampling, max_tokens, eos, sub, stop_check)
+    finally:
+        decoder.close(seq)

@@ -1,0 +1,237 @@
+"""The target model: an mlx-lm model driven layer by layer, so that we get hidden-state taps,
+one-pass block verification with a rollback tape, prefill split at rung positions, and
+snapshots of the recurrent state.
+
+Knows nothing about drafters, tokenization policy, prompt caches, Ray or gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
+from mlx_lm.utils import load_model, load_tokenizer
+
+from .gdn import GDNTape, gdn_forward_taped
+
+# mlx-lm model types whose layers are all full attention or Gated DeltaNet.
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+KV_MODES = ("fp16", "q8")
+PREFILL_CHUNK = 2048
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used; the message names the problem."""
+
+
+def resolve_checkpoint(path_or_id: str | Path) -> Path:
+    """A local directory, or a hub id resolved through huggingface-hub's local cache (offline)."""
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{path_or_id}: not a directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(path_or_id), local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - any hub failure means "not available offline"
+        raise CheckpointError(
+            f"{path_or_id}: no such directory, and not in the local Hugging Face cache "
+            f"(nothing is downloaded at run time): {exc.__class__.__name__}"
+        ) from None
+
+
+def read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: missing config.json")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
+
+
+@dataclass
+class VerifyTape:
+    """What a verify pass leaves behind so that `Target.rollback` can undo its tail rows."""
+
+    num_rows: int
+    gdn: list[GDNTape]
+
+
+class Target:
+    """A loaded target model with its tokenizer and the few views into it that we need."""
+
+    def __init__(self, model: nn.Module, tokenizer, config: dict, path: Path | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.path = path
+        text = model.language_model if "language_model" in model else model
+        inner = text.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.lm_head = text.lm_head if "lm_head" in text else inner.embed_tokens.as_linear
+        self.num_layers = len(self.layers)
+        self.hidden_size = self.embed_tokens.weight.shape[-1]
+        if hasattr(self.embed_tokens, "scales"):  # quantized embedding packs its columns
+            self.hidden_size = self.embed_tokens.weight.shape[-1] * 32 // self.embed_tokens.bits
+        text_config = config.get("text_config", config)
+        self.vocab_size = int(text_config["vocab_size"])
+        self.model_type = config["model_type"]
+        self.is_gdn = [bool(getattr(layer, "is_linear", False)) for layer in self.layers]
+        self._first_attn = next((i for i, g in enumerate(self.is_gdn) if not g), None)
+        self._first_gdn = next((i for i, g in enumerate(self.is_gdn) if g), None)
+        max_pos = text_config.get("max_position_embeddings") or 32768
+        self.max_context = int(max_pos)
+
+    # ---- caches -------------------------------------------------------------------------
+    def make_cache(self, kv_mode: str = "fp16") -> list:
+        """One cache per layer: ArraysCache for GDN layers, KV (fp16) or 8-bit KV for attention."""
+        if kv_mode not in KV_MODES:
+            raise ValueError(f"kv mode must be one of {KV_MODES}, got {kv_mode!r}")
+        return [
+            ArraysCache(size=2)
+            if gdn
+            else (QuantizedKVCache(group_size=64, bits=8) if kv_mode == "q8" else KVCache())
+            for gdn in self.is_gdn
+        ]
+
+    # ---- forward ------------------------------------------------------------------------
+    def forward(
+        self,
+        tokens: mx.array,
+        cache: list,
+        tap_ids: tuple[int, ...] = (),
+        all_logits: bool = True,
+        tape: list | None = None,
+    ) -> tuple[mx.array, mx.array | None]:
+        """Run `tokens` ([S] int) on top of `cache`.
+
+        Returns logits ([S, V], or [1, V] for the last row when `all_logits` is False) and the
+        taps ([S, len(tap_ids) * H], outputs of the listed layers) or None. With `tape`, GDN
+        layers record what `rollback` needs.
+        """
+        h = self.embed_tokens(tokens[None])  # [1, S, H]
+        attn_mask = (
+            create_attention_mask(h, cache[self._first_attn])
+            if self._first_attn is not None
+            else None
+        )
+        ssm_mask = create_ssm_mask(h, cache[self._first_gdn]) if self._first_gdn is not None else None
+        wanted = {layer_id: None for layer_id in tap_ids}
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            if self.is_gdn[i]:
+                if tape is not None:
+                    r = gdn_forward_taped(layer.linear_attn, layer.input_layernorm(h), c, tape)
+                    h = h + r
+                    h = h + layer.mlp(layer.post_attention_layernorm(h))
+                else:
+                    h = layer(h, mask=ssm_mask, cache=c)
+            else:
+                h = layer(h, mask=attn_mask, cache=c)
+            if i in wanted:
+                wanted[i] = h
+        taps = mx.concatenate([wanted[i] for i in tap_ids], axis=-1)[0] if tap_ids else None
+        out = h[0] if all_logits else h[0, -1:]
+        return self.lm_head(self.norm(out)), taps
+
+    def verify(
+        self, block: mx.array, cache: list, tap_ids: tuple[int, ...]
+    ) -> tuple[mx.array, mx.array, VerifyTape]:
+        """Run a draft block ([L] ints: anchor + drafts) in one forward, keeping a rollback tape."""
+        gdn_tape: list[GDNTape] = []
+        logits, taps = self.forward(block, cache, tap_ids, all_logits=True, tape=gdn_tape)
+        return logits, taps, VerifyTape(int(block.shape[0]), gdn_tape)
+
+    @staticmethod
+    def rollback(cache: list, tape: VerifyTape, keep: int) -> None:
+        """Keep only the first `keep` rows of the verified block in every layer's cache."""
+        drop = tape.num_rows - keep
+        if drop == 0:
+            return
+        for entry in tape.gdn:
+            entry.rollback(keep)
+        for c in cache:
+            if not isinstance(c, ArraysCache):
+                c.trim(drop)
+
+    def prefill(
+        self,
+        tokens: list[int],
+        cache: list,
+        tap_ids: tuple[int, ...] = (),
+        stops: tuple[int, ...] = (),
+        on_stop=None,
+        chunk: int = PREFILL_CHUNK,
+    ) -> tuple[mx.array, list[mx.array]]:
+        """Run the prompt in forward calls that end at every position in `stops` (absolute token
+        counts, e.g. ladder rungs) and at most `chunk` tokens apart. After a call that ends at a
+        stop, `on_stop(position)` runs (to snapshot state there: rungs can only sit at forward-call
+        boundaries). Returns the last row's logits ([1, V]) and the taps of each call.
+        """
+        start = cache_offset(cache)
+        end = start + len(tokens)
+        cuts = sorted({p for p in stops if start < p <= end} | {end})
+        taps_out, logits, pos = [], None, start
+        for cut in cuts:
+            while pos < cut:
+                step_end = min(cut, pos + chunk)
+                piece = mx.array(tokens[pos - start : step_end - start])
+                logits, taps = self.forward(piece, cache, tap_ids, all_logits=False)
+                if taps is not None:
+                    taps_out.append(taps)
+                mx.eval(logits, taps if taps is not None else logits)
+                pos = step_end
+            if on_stop is not None and cut in stops:
+                on_stop(cut)
+        return logits, taps_out
+
+    # ---- recurrent snapshots ------------------------------------------------------------
+    def recurrent_state(self, cache: list) -> list[tuple[mx.array, mx.array]]:
+        """(conv state, recurrent state) of every GDN layer: what a ladder rung stores."""
+        return [(cache[i][0], cache[i][1]) for i, g in enumerate(self.is_gdn) if g]
+
+    def restore_recurrent_state(self, cache: list, states: list[tuple[mx.array, mx.array]]) -> None:
+        gdn_ids = [i for i, g in enumerate(self.is_gdn) if g]
+        if len(states) != len(gdn_ids):
+            raise ValueError(f"snapshot has {len(states)} GDN layers, model has {len(gdn_ids)}")
+        for i, (conv, state) in zip(gdn_ids, states):
+            cache[i][0], cache[i][1] = conv, state
+
+
+def cache_offset(cache: list) -> int:
+    """Number of tokens the cache holds (attention offset, or GDN-only models: tracked lengths)."""
+    for c in cache:
+        if not isinstance(c, ArraysCache):
+            return c.offset
+    raise ValueError("GDN-only targets are not supported: no attention layer to count positions")
+
+
+def load_target(path_or_id: str | Path) -> Target:
+    """Load any supported mlx-lm target (quantized or not) with its tokenizer, offline."""
+    path = resolve_checkpoint(path_or_id)
+    config = read_config(path)
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{path}: unknown or unsupported architecture model_type={model_type!r} "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if not list(path.glob("model*.safetensors")):
+        raise CheckpointError(f"{path}: missing weights (no model*.safetensors)")
+    try:
+        model, config = load_model(path)
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: config.json is missing a field the model needs: {exc}") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: weights do not match the config: {exc}") from None
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    return Target(model, tokenizer, config, path)

@@ -1,0 +1,182 @@
+"""Tokenizers the project makes (byte-level BPE with Qwen-style chat tokens) and the text side of
+a request: chat rendering, incremental detokenization and stop sequences.
+
+The engine works on token ids only; this module is where text comes in and goes out.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+IM_START, IM_END, EOT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+THINK, END_THINK, MASK = "<think>", "</think>", "<|mask|>"
+SPECIAL_TOKENS = (EOT, IM_START, IM_END, THINK, END_THINK, MASK)
+CHAT_ROLES = ("system", "user", "assistant")
+
+# Qwen-style: earlier assistant turns lose their <think> block, so turn N+1's prompt diverges
+# from turn N's cache right after "<|im_start|>assistant\n" (HYBRID_CACHE.md).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- set content = message.content %}"
+    "{%- if '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def python_stdlib_files(limit_bytes: int | None = None) -> list[Path]:
+    """The standard library's own .py sources (on every machine with Python), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
+    )
+    if limit_bytes is None:
+        return files
+    out, total = [], 0
+    for p in files:
+        if total >= limit_bytes:
+            break
+        out.append(p)
+        total += p.stat().st_size
+    return out
+
+
+def build_tokenizer(texts, vocab_size: int, out_dir: str | Path) -> Path:
+    """Train a byte-level BPE on `texts` (an iterable of strings) and write it in the Hugging
+    Face layout (tokenizer.json + tokenizer_config.json with the chat template)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2))
+    return out
+
+
+def tokenizer_config() -> dict:
+    added = {
+        str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                 "normalized": False, "single_word": False}
+        for i, t in enumerate(SPECIAL_TOKENS)
+    }  # fmt: skip
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": EOT,
+        "unk_token": None,
+        "model_max_length": 32768,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+class ChatError(ValueError):
+    """A chat request that cannot be rendered; the message names the field."""
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """Render chat messages with the model's own template."""
+    if not messages:
+        raise ChatError("messages: at least one message is required")
+    for i, m in enumerate(messages):
+        if m.get("role") not in CHAT_ROLES:
+            raise ChatError(f"messages[{i}].role: unknown role {m.get('role')!r} (use {CHAT_ROLES})")
+        if not isinstance(m.get("content"), str):
+            raise ChatError(f"messages[{i}].content: must be a string")
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def message_starts(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token positions where each message (and the generation prompt) starts in the rendered
+    prompt: natural ladder rungs, since later turns share exactly these prefixes."""
+    starts = []
+    for i in range(1, len(messages) + 1):
+        text = render_chat(tokenizer, messages[:i], add_generation_prompt=False)
+        starts.append(len(tokenizer.encode(text, add_special_tokens=False)))
+    if add_generation_prompt:
+        full = render_chat(tokenizer, messages, add_generation_prompt=True)
+        starts.append(len(tokenizer.encode(full, add_special_tokens=False)))
+    return starts
+
+
+class TextStream:
+    """Incremental detokenization with stop sequences, for one completion.
+
+    `push(new_tokens)` returns how many of them to keep and whether a stop sequence ended the
+    completion (the engine's StopCheck), and accumulates the text delta to emit.
+    """
+
+    def __init__(self, tokenizer, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.tokens: list[int] = []
+        self.text = ""  # text emitted so far
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    def check(self, _completion: list[int], new: list[int]) -> tuple[int, bool]:
+        """StopCheck for the engine: keep up to the token that completes a stop sequence."""
+        if not self.stop:
+            return len(new), False
+        tail = self.tokens[-32:]  # a stop sequence spans few tokens; decode only the tail
+        before = self._decode(tail)
+        for n in range(1, len(new) + 1):
+            text = self._decode(tail + new[:n])
+            if any(s in text and s not in before for s in self.stop):
+                return n, True
+        return len(new), False
+
+    def push(self, new: list[int]) -> str:
+        """Add committed tokens; returns the text delta safe to emit now."""
+        self.tokens.extend(new)
+        full = self._decode(self.tokens)
+        for s in self.stop:
+            if (i := full.find(s)) >= 0:
+                full = full[:i]
+        full = full.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for the next token
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(full)), 0, -1):
+                if full.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        ready = full[: len(full) - hold]
+        delta = ready[len(self.text) :] if ready.startswith(self.text) else ""
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """The rest of the text once the completion is over (held-back chars are released)."""
+        full = self._decode(self.tokens)
+        for s in self.stop:
+            if (i := full.find(s)) >= 0:
+                full = full[:i]
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text += delta
+        return delta
