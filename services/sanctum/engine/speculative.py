@@ -100,6 +100,7 @@ class Sequence:
     anchor: int | None = None  # last committed token, not yet run through the target
     completion: list[int] = field(default_factory=list)
     pending_taps: list[mx.array] = field(default_factory=list)  # taps not yet sent to the drafter
+    tap_history: list[mx.array] = field(default_factory=list)  # all taps (for the prompt cache)
     draft_open: bool = False
     finished: str | None = None
     last_tape: VerifyTape | None = None
@@ -125,6 +126,7 @@ class Decoder:
         self.peer = peer if drafter else None
         self.block_size = int(block_size or (drafter.block_size if drafter else 1))
         self.tap_ids = tuple(self.cfg.target_layer_ids) if self.cfg else ()
+        self.keep_tap_history = False  # the prompt cache saves the drafter's context
         if self.cfg is not None:
             self.mask_embed = target.embed_tokens(mx.array([self.cfg.mask_token_id]))  # [1, H]
 
@@ -139,7 +141,7 @@ class Decoder:
         logits, taps = self.target.prefill(tokens, seq.cache, self.tap_ids, stops, on_stop)
         seq.cached_tokens.extend(tokens)
         if self.head is not None:
-            self._queue_taps(seq, taps)
+            self.queue_taps(seq, taps)
         return logits
 
     def start(
@@ -181,8 +183,12 @@ class Decoder:
         seq.draft_open = False
 
     # ---- internals ---------------------------------------------------------------------
-    def _queue_taps(self, seq: Sequence, taps: list[mx.array] | mx.array) -> None:
-        seq.pending_taps.extend(taps if isinstance(taps, list) else [taps])
+    def queue_taps(self, seq: Sequence, taps: list[mx.array] | mx.array) -> None:
+        """Taps of rows now in the target cache: context the drafter has not seen yet."""
+        taps = taps if isinstance(taps, list) else [taps]
+        seq.pending_taps.extend(taps)
+        if self.keep_tap_history:
+            seq.tap_history.extend(taps)
         rows = sum(t.shape[0] for t in seq.pending_taps)
         if rows > MAX_PENDING_TAP_ROWS:
             joined = mx.concatenate(seq.pending_taps)[-MAX_PENDING_TAP_ROWS:]
@@ -231,7 +237,7 @@ class Decoder:
         token = self._sample_one(logits, params, key)
         seq.cached_tokens.append(seq.anchor)
         if taps is not None:
-            self._queue_taps(seq, taps)
+            self.queue_taps(seq, taps)
         t1 = time.perf_counter()
         step = self._commit(seq, [token], max_tokens, eos_ids, stop_check, RoundStats(1, 0, 0))
         step.stats.verify_s, step.stats.other_s = t1 - t0, time.perf_counter() - t1
@@ -284,7 +290,7 @@ class Decoder:
         keep = len(step.tokens)
         self.target.rollback(seq.cache, tape, keep)
         seq.cached_tokens.extend(block_ids[:keep])
-        self._queue_taps(seq, taps[:keep])
+        self.queue_taps(seq, taps[:keep])
         mx.eval([c.state for c in seq.cache if not c.empty()])
         t3 = time.perf_counter()
         stats.rollback_s = t3 - t2

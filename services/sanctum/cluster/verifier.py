@@ -1,0 +1,224 @@
+"""The verifier role: a request from text to committed chunks on the target, resuming from the
+prompt cache and saving back to it, speculating through a drafter peer when there is one.
+
+Ray-free and gRPC-free: the cluster's verifier actor wraps this object, and inline mode uses it
+as is. Its peers (drafter body, ladder store) are plain objects or actor proxies; it cannot tell.
+Requests are opened, stepped one round at a time (so a scheduler can interleave them) and closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import mlx.core as mx
+
+from ..cache.ladder import choose_rungs, make_entry, prefill_stops, restore_into
+from ..cache.store import ResumePlan
+from ..engine.drafter import Drafter
+from ..engine.speculative import Decoder, DraftPeer, Sequence, make_key
+from ..engine.target import Target
+from ..requests import Chunk, GenerateRequest, Limits, Usage, check_prompt_length, validate
+from ..tokenizer import TextStream, message_starts, render_chat
+
+log = logging.getLogger("sanctum.verifier")
+
+
+@dataclass
+class Active:
+    """One open request on the verifier."""
+
+    req: GenerateRequest
+    seq: Sequence
+    stream: TextStream
+    key: mx.array
+    usage: Usage
+    prompt_ids: list[int]
+    message_starts: list[int]
+    plan: ResumePlan
+    captured: dict = field(default_factory=dict)  # rung position -> GDN states from prefill
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.finished is not None
+
+
+@dataclass
+class Metrics:
+    """Counters since start (exposed by the API's stats)."""
+
+    requests: int = 0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+class Verifier:
+    """Owns the target, its live caches, and the decode loop."""
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None = None,
+        peer: DraftPeer | None = None,
+        store=None,
+        ladder_depth: int = 4,
+        kv_mode: str = "fp16",
+        block_size: int | None = None,
+        max_tokens_limit: int = 4096,
+    ):
+        self.target = target
+        self.decoder = Decoder(target, drafter, peer, block_size)
+        self.decoder.keep_tap_history = store is not None
+        self.store = store
+        self.ladder_depth = ladder_depth
+        self.kv_mode = kv_mode
+        self.limits = Limits(target.vocab_size, target.max_context, max_tokens_limit)
+        self.eos_ids = set(target.tokenizer.eos_token_ids)
+        self.metrics = Metrics()
+        self.model_id = str(target.path) if target.path else f"model-{id(target):x}"
+
+    def model_key(self, kv_mode: str) -> str:
+        return f"{self.model_id}|{kv_mode}"
+
+    # ---- request lifecycle ---------------------------------------------------------------
+    def tokenize(self, req: GenerateRequest) -> tuple[list[int], list[int]]:
+        """Prompt token ids, and message start positions (for chat requests)."""
+        tok = self.target.tokenizer
+        if req.prompt_ids is not None:
+            return list(req.prompt_ids), []
+        if req.messages is not None:
+            messages = [dict(m) for m in req.messages]
+            text = render_chat(tok, messages)
+            return tok.encode(text, add_special_tokens=False), message_starts(tok, messages)
+        return tok.encode(req.prompt, add_special_tokens=False), []
+
+    def open(self, req: GenerateRequest, mode: str = "sync") -> tuple[Active, Chunk]:
+        """Validate, resume from the cache, prefill (stopping at rungs), commit the first token."""
+        validate(req, self.limits)
+        started = time.perf_counter()
+        prompt_ids, starts = self.tokenize(req)
+        check_prompt_length(len(prompt_ids), req, self.limits)
+        kv = req.kv_mode or self.kv_mode
+        seq = self.decoder.new_sequence(req.request_id, kv)
+        plan = ResumePlan(0, 0)
+        if self.store is not None and req.use_cache:
+            plan = self._plan(kv, prompt_ids)
+        if plan.resumed_at:
+            restore_into(self.target, seq.cache, plan)
+            seq.cached_tokens = list(prompt_ids[: plan.resumed_at])
+            if plan.taps is not None and self.decoder.head is not None:
+                self.decoder.queue_taps(seq, plan.taps)
+        usage = Usage(
+            prompt_tokens=len(prompt_ids),
+            cached_tokens=plan.resumed_at,
+            cache_hit_ratio=round(plan.resumed_at / len(prompt_ids), 4),
+            requested_lcp=plan.requested_lcp,
+            resumed_at=plan.resumed_at,
+            kv=kv,
+            mode=mode,
+        )
+        act = Active(req, seq, TextStream(self.target.tokenizer, list(req.stop)),
+                     make_key(req.seed), usage, prompt_ids, starts, plan, started=started)  # fmt: skip
+        stops = prefill_stops(self.ladder_depth, len(prompt_ids), plan.resumed_at, starts)
+        if self.store is None:
+            stops = ()
+        logits = self.decoder.prefill(
+            seq, prompt_ids[plan.resumed_at :], stops,
+            on_stop=lambda pos: act.captured.__setitem__(pos, self.target.recurrent_state(seq.cache)),
+        )  # fmt: skip
+        act.key, sub = mx.random.split(act.key)
+        step = self.decoder.start(seq, logits, req.sampling(), req.max_tokens, self.eos_ids, sub)
+        usage.ttft_s = round(time.perf_counter() - started, 6)
+        log.info(
+            "ladder resume: kv=%s mode=%s prompt_tokens=%d requested_lcp=%d resumed_at=%d "
+            "recovered=%d prefix_cached=%d cache_hit_ratio=%.4f",
+            kv, mode, len(prompt_ids), plan.requested_lcp, plan.resumed_at, plan.resumed_at,
+            plan.resumed_at, usage.cache_hit_ratio,
+        )  # fmt: skip
+        self.metrics.requests += 1
+        self.metrics.prompt_tokens += len(prompt_ids)
+        self.metrics.cached_tokens += plan.resumed_at
+        return act, self._chunk(act, step)
+
+    def step(self, act: Active) -> Chunk:
+        """One round (speculative, or one plain token)."""
+        act.key, sub = mx.random.split(act.key)
+        step = self.decoder.step(
+            act.seq, act.req.sampling(), act.req.max_tokens, self.eos_ids, sub, act.stream.check
+        )
+        s = step.stats
+        act.usage.rounds += 1
+        if s.bs > 1:
+            act.usage.drafted_tokens += s.bs - 1
+            act.usage.accepted_tokens += s.accepted
+        log.debug("%s completion_tokens=%d", s.line(len(act.seq.completion)), len(act.seq.completion))
+        return self._chunk(act, step)
+
+    def close(self, act: Active, save: bool = True) -> None:
+        """Free the sequence; save its cache as a new entry (its state is consistent after any
+        finished or cancelled round)."""
+        self.decoder.close(act.seq)
+        if save and self.store is not None and act.req.use_cache and act.seq.cached_tokens:
+            try:
+                self._save(act)
+            except Exception:  # noqa: BLE001 - a failed save must not fail the request
+                log.exception("prompt cache: saving the entry failed; the request is unaffected")
+
+    def generate(self, req: GenerateRequest, mode: str = "sync") -> Iterator[Chunk]:
+        """Open, step to the end, close: the whole request in this thread."""
+        act, chunk = self.open(req, mode)
+        try:
+            yield chunk
+            while not act.finished:
+                yield self.step(act)
+        finally:
+            self.close(act)
+
+    # ---- internals -------------------------------------------------------------------------
+    def _plan(self, kv: str, prompt_ids: list[int]) -> ResumePlan:
+        try:
+            return self.store.plan(self.model_key(kv), prompt_ids)
+        except Exception:  # noqa: BLE001 - a store that is down means "uncached", not an error
+            log.warning("prompt cache unavailable; serving uncached", exc_info=True)
+            return ResumePlan(0, 0)
+
+    def _save(self, act: Active) -> None:
+        seq = act.seq
+        end = len(seq.cached_tokens)
+        captured = {**act.captured, end: self.target.recurrent_state(seq.cache)}
+        rungs = choose_rungs(self.ladder_depth, len(act.prompt_ids), end, act.message_starts,
+                             captured, act.plan.rungs)  # fmt: skip
+        taps = mx.concatenate(seq.tap_history) if seq.tap_history else None
+        if taps is not None and taps.shape[0] != end:
+            taps = None  # incomplete history (e.g. resumed without taps): the drafter restarts cold
+        kv = act.usage.kv
+        entry = make_entry(self.model_key(kv), kv, seq.cached_tokens, seq.cache, rungs, taps)
+        self.store.put(entry)
+
+    def _chunk(self, act: Active, step) -> Chunk:
+        text = act.stream.push(step.tokens)
+        s = step.stats
+        usage = act.usage
+        usage.completion_tokens = len(act.seq.completion)
+        chunk = Chunk(text, list(step.tokens),
+                      drafted=(s.bs - 1) if s and s.bs > 1 else 0,
+                      accepted=s.accepted if s else 0)  # fmt: skip
+        if step.finish_reason is not None:
+            chunk.text += act.stream.finish()
+            chunk.finish_reason = step.finish_reason
+            spec = usage.drafted_tokens // max(1, self.decoder.block_size - 1)
+            usage.tau = round((usage.accepted_tokens + spec) / spec, 4) if spec else 0.0
+            usage.elapsed_s = round(time.perf_counter() - act.started, 6)
+            chunk.usage = usage
+            self.metrics.completion_tokens += usage.completion_tokens
+            self.metrics.rounds += usage.rounds
+            self.metrics.drafted_tokens += usage.drafted_tokens
+            self.metrics.accepted_tokens += usage.accepted_tokens
+        return chunk
