@@ -103,7 +103,7 @@ class Sequence:
     tap_history: list[mx.array] = field(default_factory=list)  # all taps (for the prompt cache)
     draft_open: bool = False
     finished: str | None = None
-    last_tape: VerifyTape | None = None
+    last_tape: VerifyTape | None = None  # the latest verify pass (a later truncation can reuse it)
 
 
 # (completion so far, new tokens) -> how many of the new tokens to keep, and whether to stop
@@ -276,6 +276,7 @@ class Decoder:
         t1 = time.perf_counter()
         block = mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
         logits, taps, tape = self.target.verify(block, seq.cache, self.tap_ids)
+        seq.last_tape = tape
         if params.greedy:
             accepted, bonus = accept_greedy(drafts, logits)
         else:

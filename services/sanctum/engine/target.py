@@ -61,6 +61,7 @@ def read_config(path: Path) -> dict:
 class VerifyTape:
     """What a verify pass leaves behind so that `Target.rollback` can undo its tail rows."""
 
+    start: int  # tokens in the cache before the pass
     num_rows: int
     gdn: list[GDNTape]
 
@@ -89,6 +90,8 @@ class Target:
         self.is_gdn = [bool(getattr(layer, "is_linear", False)) for layer in self.layers]
         self._first_attn = next((i for i, g in enumerate(self.is_gdn) if not g), None)
         self._first_gdn = next((i for i, g in enumerate(self.is_gdn) if g), None)
+        # GDN rollback: keep per-row states (ops path) or recompute from recorded inputs
+        self.tape_row_states = True
         max_pos = text_config.get("max_position_embeddings") or 32768
         self.max_context = int(max_pos)
 
@@ -130,7 +133,9 @@ class Target:
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             if self.is_gdn[i]:
                 if tape is not None:
-                    r = gdn_forward_taped(layer.linear_attn, layer.input_layernorm(h), c, tape)
+                    r = gdn_forward_taped(
+                        layer.linear_attn, layer.input_layernorm(h), c, tape, self.tape_row_states
+                    )
                     h = h + r
                     h = h + layer.mlp(layer.post_attention_layernorm(h))
                 else:
@@ -148,20 +153,23 @@ class Target:
     ) -> tuple[mx.array, mx.array, VerifyTape]:
         """Run a draft block ([L] ints: anchor + drafts) in one forward, keeping a rollback tape."""
         gdn_tape: list[GDNTape] = []
+        start = cache_offset(cache)
         logits, taps = self.forward(block, cache, tap_ids, all_logits=True, tape=gdn_tape)
-        return logits, taps, VerifyTape(int(block.shape[0]), gdn_tape)
+        return logits, taps, VerifyTape(start, int(block.shape[0]), gdn_tape)
 
     @staticmethod
     def rollback(cache: list, tape: VerifyTape, keep: int) -> None:
-        """Keep only the first `keep` rows of the verified block in every layer's cache."""
-        drop = tape.num_rows - keep
-        if drop == 0:
+        """Keep only the first `keep` rows of the verified block in every layer's cache.
+        Positions are absolute, so rolling back again to a smaller `keep` is fine."""
+        if not 0 <= keep <= tape.num_rows:
+            raise ValueError(f"keep={keep} outside 0..{tape.num_rows}")
+        if cache_offset(cache) == tape.start + keep:
             return
         for entry in tape.gdn:
             entry.rollback(keep)
         for c in cache:
             if not isinstance(c, ArraysCache):
-                c.trim(drop)
+                c.trim(c.offset - (tape.start + keep))
 
     def prefill(
         self,

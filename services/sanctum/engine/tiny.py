@@ -152,10 +152,13 @@ def copy_tokenizer(src: Path, out: Path) -> None:
 
 
 def make_tiny_target(out: Path, kind: str = "hybrid", seed: int = 0, layers: int = 8,
-                     hidden: int = 128, tokenizer_dir: Path = TINY_TOKENIZER) -> Path:  # fmt: skip
-    """A random target of `kind` at `out` (HF layout), returned as its directory."""
+                     hidden: int = 128, tokenizer_dir: Path = TINY_TOKENIZER,
+                     vocab_size: int | None = None) -> Path:  # fmt: skip
+    """A random target of `kind` at `out` (HF layout), returned as its directory.
+    `vocab_size` below the tokenizer's makes a model that only ever emits the first ids
+    (statistical tests want a tiny vocabulary)."""
     tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    vocab = len(tok["model"]["vocab"])
+    vocab = vocab_size or len(tok["model"]["vocab"])
     eos = tok["model"]["vocab"].get("<|im_end|>")
     if eos is None:
         eos = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|im_end|>")

@@ -1,0 +1,203 @@
+"""The engine's invariants: lossless speculative decoding on hybrid and dense targets, exact
+rollback after partial acceptance, and loading of every supported architecture."""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from sanctum.engine.drafter import load_drafter
+from sanctum.engine.sampling import SamplingParams
+from sanctum.engine.speculative import Decoder, LocalDraftPeer, generate, make_key
+from sanctum.engine.target import cache_offset, load_target
+
+PROMPT = "def fibonacci(n):\n    "
+_loaded: dict = {}
+
+
+def load_pair(make_pair, kind="hybrid", drafter="dflash", bits=0, block=None):
+    key = (kind, drafter, bits, block)
+    if key not in _loaded:
+        target_dir, drafter_dir = make_pair(kind, drafter)
+        target = _loaded.get((kind, "target")) or load_target(target_dir)
+        _loaded[(kind, "target")] = target
+        _loaded[key] = (target, load_drafter(drafter_dir, target, block_size=block, bits=bits))
+    return _loaded[key]
+
+
+def tokens_of(steps) -> list[int]:
+    return [t for s in steps for t in s.tokens]
+
+
+_plain: dict = {}
+
+
+def plain_greedy(target, kind, kv, n=40, prompt=PROMPT) -> list[int]:
+    key = (kind, kv, n, prompt)
+    if key not in _plain:
+        ids = target.tokenizer.encode(prompt)
+        _plain[key] = tokens_of(generate(target, ids, max_tokens=n, kv_mode=kv, eos_ids=set()))
+    return _plain[key]
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+@pytest.mark.parametrize("drafter_kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("block", [2, 8, 16])
+@pytest.mark.parametrize("kv", ["fp16", "q8"])
+@pytest.mark.parametrize("bits", [0, 4])
+def test_speculative_greedy_equals_plain_greedy(make_pair, kind, drafter_kind, block, kv, bits):
+    target, drafter = load_pair(make_pair, kind, drafter_kind, bits, block)
+    ids = target.tokenizer.encode(PROMPT)
+    steps = list(generate(target, ids, drafter=drafter, max_tokens=40, kv_mode=kv, eos_ids=set()))
+    assert tokens_of(steps) == plain_greedy(target, kind, kv)
+    assert all(s.stats.bs == block for s in steps[1:])
+
+
+class ScriptedDecoder(Decoder):
+    """Proposes the known greedy continuation with one token corrupted at a scripted position
+    per round (position L-1 = no corruption), so every acceptance count 0..L-1 is exercised
+    against the real target's verify and rollback."""
+
+    def __init__(self, target, drafter, reference, wrong_at, **kw):
+        super().__init__(target, drafter, LocalDraftPeer(drafter), **kw)
+        self.reference, self.wrong_at = reference, wrong_at
+
+    def _draft(self, seq, params, key):
+        n, L = len(seq.completion), self.block_size
+        drafts = list(self.reference[n : n + L - 1])
+        drafts += [0] * (L - 1 - len(drafts))
+        j = next(self.wrong_at)
+        if j < L - 1:
+            drafts[j] = (drafts[j] + 1) % self.target.vocab_size
+        return mx.array(drafts), None
+
+
+def run_decoder(decoder, target, prompt_ids, n, kv="fp16", eos=frozenset(), stop_check=None):
+    seq = decoder.new_sequence("s", kv)
+    key = make_key(0)
+    logits = decoder.prefill(seq, prompt_ids)
+    steps = [decoder.start(seq, logits, SamplingParams(), n, set(eos), key)]
+    while seq.finished is None:
+        steps.append(decoder.step(seq, SamplingParams(), n, set(eos), key, stop_check))
+    return seq, steps
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense", "next", "moe"])
+@pytest.mark.parametrize("kv", ["fp16", "q8"])
+@pytest.mark.parametrize("row_states", [True, False])
+def test_partial_acceptance_is_lossless_and_cache_matches_fresh_forward(make_pair, kind, kv, row_states):
+    target, drafter = load_pair(make_pair, kind, "dflash")
+    target.tape_row_states = row_states
+    try:
+        L = 8
+        ref = plain_greedy(target, kind, kv, n=64)
+        ids = target.tokenizer.encode(PROMPT)
+        decoder = ScriptedDecoder(target, drafter, ref, itertools.cycle(range(L)), block_size=L)
+        seq, steps = run_decoder(decoder, target, ids, 48, kv)
+        assert tokens_of(steps) == ref[:48]
+        assert {s.stats.accepted for s in steps[1:]} >= set(range(L))  # 0..7 accepted all seen
+        # the live cache holds exactly prompt + committed tokens but the last (the anchor)
+        assert seq.cached_tokens == ids + ref[:47]
+        assert cache_offset(seq.cache) == len(seq.cached_tokens)
+        live, _ = target.forward(mx.array([seq.anchor]), seq.cache)
+        fresh_cache = target.make_cache(kv)
+        fresh, _ = target.forward(mx.array(seq.cached_tokens + [seq.anchor]), fresh_cache)
+        tol = 1e-4 if kv == "fp16" else 2e-2
+        np.testing.assert_allclose(np.array(live[-1]), np.array(fresh[-1]), atol=tol, rtol=tol)
+    finally:
+        target.tape_row_states = True
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "next"])
+@pytest.mark.parametrize("row_states", [True, False])
+def test_rollback_to_every_row_matches_fresh_forward(make_pair, kind, row_states):
+    """Verify a block of L rows, roll back to `keep` rows, and compare the next-token logits
+    with a fresh forward over exactly the kept tokens; also rolling back twice on one tape."""
+    target, drafter = load_pair(make_pair, kind, "dflash")
+    ids = target.tokenizer.encode(PROMPT)
+    block = [int(t) for t in np.random.default_rng(0).integers(10, 400, size=8)]
+    target.tape_row_states = row_states
+    try:
+        for keeps in [(k,) for k in range(9)] + [(6, 2)]:
+            cache = target.make_cache()
+            target.prefill(ids, cache)
+            _, _, tape = target.verify(mx.array(block), cache, drafter.cfg.target_layer_ids)
+            for keep in keeps:
+                target.rollback(cache, tape, keep)
+            assert cache_offset(cache) == len(ids) + keeps[-1]
+            got, _ = target.forward(mx.array([7]), cache)
+            want, _ = target.forward(mx.array(ids + block[: keeps[-1]] + [7]), target.make_cache())
+            np.testing.assert_allclose(np.array(got[-1]), np.array(want[-1]), atol=1e-4, rtol=1e-4)
+    finally:
+        target.tape_row_states = True
+
+
+def test_eos_and_max_tokens_inside_an_accepted_run(make_pair):
+    target, drafter = load_pair(make_pair, "hybrid", "dflash")
+    ref = plain_greedy(target, "hybrid", "fp16", n=64)
+    ids = target.tokenizer.encode(PROMPT)
+    L = 8
+    # all drafts accepted: the EOS sits inside an accepted run and must end the completion
+    eos_pos = 11
+    eos = ref[eos_pos]
+    if eos in ref[:eos_pos]:
+        pytest.skip("the reference repeats the chosen EOS token earlier")
+    decoder = ScriptedDecoder(target, drafter, ref, itertools.repeat(L - 1), block_size=L)
+    seq, steps = run_decoder(decoder, target, ids, 60, eos={eos})
+    assert tokens_of(steps) == ref[:eos_pos]
+    assert steps[-1].finish_reason == "stop"
+    assert cache_offset(seq.cache) == len(seq.cached_tokens)
+    # max_tokens in the middle of a block
+    decoder = ScriptedDecoder(target, drafter, ref, itertools.repeat(L - 1), block_size=L)
+    seq, steps = run_decoder(decoder, target, ids, 13)
+    assert tokens_of(steps) == ref[:13] and steps[-1].finish_reason == "length"
+    assert cache_offset(seq.cache) == len(seq.cached_tokens)
+
+
+def test_stop_sequence_inside_an_accepted_run(make_pair):
+    from sanctum.tokenizer import TextStream
+
+    target, drafter = load_pair(make_pair, "hybrid", "dflash")
+    ref = plain_greedy(target, "hybrid", "fp16", n=64)
+    ids = target.tokenizer.encode(PROMPT)
+    text = target.tokenizer.decode(ref[:30])
+    stop = text[20:24]
+    if not stop.strip() or "\ufffd" in stop or text.find(stop) != 20:
+        pytest.skip("no clean stop string in this reference")
+    stream = TextStream(target.tokenizer, [stop])
+    decoder = ScriptedDecoder(target, drafter, ref, itertools.repeat(7), block_size=8)
+    seq, steps = run_decoder(decoder, target, ids, 60, stop_check=stream.check)
+    out = "".join(stream.push(s.tokens) for s in steps) + stream.finish()
+    assert out == text[:20]
+    assert steps[-1].finish_reason == "stop"
+
+
+def test_dflash2_selector_is_used(make_pair):
+    target, drafter = load_pair(make_pair, "hybrid", "dflash2")
+    assert drafter.cfg.is_v2 and "candidate_selector" in drafter.head
+    hidden = mx.random.normal((7, target.hidden_size))
+    logits = drafter.head.logits(hidden)
+    tokens, cand, q = drafter.head.select(hidden, logits, anchor=3, temperature=0.0)
+    assert tokens.shape == (7,) and cand.shape == (7, drafter.cfg.selector_top_k)
+    # every pick is one of its row's top-k candidates
+    assert all(int(tokens[r]) in np.array(cand[r]).tolist() for r in range(7))
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "moe", "next", "dense"])
+def test_real_loader_reads_hf_layout(make_pair, kind):
+    """The tiny checkpoint goes through mlx-lm's loader and sanitize: the HF-layout weights
+    (zero-centred norms, [C, 1, K] conv) come back as the model that was written."""
+    from mlx.utils import tree_flatten
+
+    from sanctum.engine.target import read_config
+
+    target_dir, _ = make_pair(kind, "dflash")
+    target = load_target(target_dir)
+    assert target.model_type == read_config(target_dir)["model_type"]
+    params = dict(tree_flatten(target.model.parameters()))
+    norms = [v for k, v in params.items() if k.endswith("input_layernorm.weight")]
+    assert norms and all(float(mx.abs(n - 1).max()) < 1e-6 for n in norms)  # ones, after +1
+    assert any(target.is_gdn) == (kind != "dense")

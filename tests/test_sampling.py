@@ -1,0 +1,132 @@
+"""Sampling keeps the target's distribution: the speculative rejection rule, statistically."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from sanctum.engine.drafter import load_drafter
+from sanctum.engine.sampling import SamplingParams, accept_sampled, probabilities
+from sanctum.engine.speculative import Decoder, LocalDraftPeer, make_key
+from sanctum.engine.target import load_target
+from sanctum.engine.tiny import make_tiny_drafter, make_tiny_target
+
+VOCAB = 16
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """p-value of observed counts against expected probabilities (cells with tiny expectation
+    merged), via the regularized upper incomplete gamma (no scipy needed)."""
+    import math
+
+    n = counts.sum()
+    exp = probs * n
+    order = np.argsort(exp)
+    obs_m, exp_m, acc_o, acc_e = [], [], 0.0, 0.0
+    for i in order:  # merge the smallest cells until each expects >= 5
+        acc_o += counts[i]
+        acc_e += exp[i]
+        if acc_e >= 5:
+            obs_m.append(acc_o)
+            exp_m.append(acc_e)
+            acc_o = acc_e = 0.0
+    if acc_e > 0 and exp_m:
+        obs_m[-1] += acc_o
+        exp_m[-1] += acc_e
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs_m, exp_m))
+    dof = len(exp_m) - 1
+    # survival function of chi2(dof) at stat: Q(dof/2, stat/2)
+    a, x = dof / 2.0, stat / 2.0
+    if x <= 0:
+        return 1.0
+    if x < a + 1:  # series for P, then Q = 1 - P
+        term = total = 1.0 / a
+        k = a
+        for _ in range(500):
+            k += 1
+            term *= x / k
+            total += term
+        return max(0.0, 1.0 - total * math.exp(-x + a * math.log(x) - math.lgamma(a)))
+    f, c, d = 1e-300, 1e-300, 0.0  # continued fraction for Q (Lentz)
+    b = x + 1 - a
+    c, d = 1 / 1e-300, 1 / b
+    f = d
+    for i in range(1, 500):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1 / d if d != 0 else 1e300
+        c = b + an / c
+        delta = c * d
+        f *= delta
+        if abs(delta - 1) < 1e-12:
+            break
+    return f * math.exp(-x + a * math.log(x) - math.lgamma(a))
+
+
+def test_rejection_rule_reproduces_target_distribution():
+    """Synthetic p and q per row: the first committed token follows p[0], whatever q is."""
+    rng = np.random.default_rng(0)
+    rows = 4
+    p = rng.dirichlet(np.ones(VOCAB) * 0.7, size=rows + 1).astype(np.float32)
+    q = rng.dirichlet(np.ones(VOCAB) * 0.7, size=rows).astype(np.float32)
+    P, Q = mx.array(p), mx.array(q)
+    key = mx.random.key(1)
+    n = 6000
+    counts = np.zeros(VOCAB)
+    accepted_any = 0
+    for _ in range(n):
+        key, k_draft, k_acc = mx.random.split(key, 3)
+        drafts = mx.random.categorical(mx.log(Q), key=k_draft)
+        acc, bonus = accept_sampled(drafts, Q, P, k_acc)
+        first = int(drafts[0]) if acc > 0 else bonus
+        counts[first] += 1
+        accepted_any += acc > 0
+    assert chi_square_p(counts, p[0]) > 1e-3
+    assert chi_square_p(counts, q[0]) < 1e-6  # and not the drafter's
+    assert 0.1 * n < accepted_any < 0.95 * n  # both the accept and the resample paths ran
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair(tmp_path_factory):
+    out = tmp_path_factory.mktemp("v16")
+    target_dir = make_tiny_target(out / "target", "hybrid", seed=3, vocab_size=VOCAB)
+    drafter_dir = make_tiny_drafter(out / "drafter", target_dir, "dflash", seed=4, block_size=4)
+    target = load_target(target_dir)
+    return target, load_drafter(drafter_dir, target)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=8, top_p=0.9)])
+def test_speculative_sampling_follows_target_not_drafter(tiny_vocab_pair, params):
+    """End to end on a 16-token vocabulary: the first token of a speculative round, given a
+    fixed anchor, follows the target's (processed) distribution, not the drafter's."""
+    target, drafter = tiny_vocab_pair
+    decoder = Decoder(target, drafter, LocalDraftPeer(drafter))
+    prompt = [6, 7, 8, 9, 10, 11]
+    anchor = 12
+    seq = decoder.new_sequence("stat")
+    decoder.prefill(seq, prompt)
+    prompt_taps = list(seq.pending_taps)
+    p = np.array(probabilities(_next_logits(target, prompt + [anchor]), params))[0]
+    seq.anchor = anchor
+    _, q = decoder._draft(seq, params, make_key(0))  # the drafter's distribution for row 1
+    q = np.array(q)[0]
+    n = 1500
+    counts = np.zeros(VOCAB)
+    key = make_key(5)
+    for _ in range(n):
+        key, sub = mx.random.split(key)
+        seq.anchor, seq.completion, seq.finished = anchor, [], None
+        seq.pending_taps = list(prompt_taps)
+        seq.draft_open = False  # reopen: the drafter starts from the same context each time
+        step = decoder.step(seq, params, 100, set(), sub)
+        counts[step.tokens[0]] += 1
+        target.rollback(seq.cache, seq.last_tape, 0)
+    assert chi_square_p(counts, p) > 1e-3
+    assert chi_square_p(counts, np.maximum(q, 1e-9) / np.maximum(q, 1e-9).sum()) < 1e-6
+
+
+def _next_logits(target, ids):
+    logits, _ = target.forward(mx.array(ids), target.make_cache())
+    return logits[-1:]
