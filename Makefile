@@ -4,6 +4,7 @@ PY      := $(VENV)/bin/python
 SANCTUM := $(VENV)/bin/sanctum
 # MLX's Linux wheel links the reference BLAS; Debian's OpenBLAS is ~15x faster on the CPU.
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+BLAS_ENV = $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 
 .PHONY: setup run test test-fast lint proto clean
 
@@ -23,10 +24,10 @@ run: setup
 	$(SANCTUM) generate --prompt "def fibonacci(n):" --max-tokens 64 --verbose
 
 test: setup
-	$(PY) -m pytest -q
+	$(BLAS_ENV) $(PY) -m pytest -q
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(BLAS_ENV) $(PY) -m pytest -q -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check services tests && $(VENV)/bin/ruff format --check services tests
