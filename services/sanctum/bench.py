@@ -62,10 +62,99 @@ def speculative(args) -> dict:
     }
 
 
+def _code_snippets(count: int, chars: int = 900) -> list[str]:
+    """Deterministic user material: slices of the standard library's own source."""
+    from .tokenizer import python_stdlib_files
+
+    out = []
+    for path in python_stdlib_files():
+        text = path.read_text(errors="ignore")
+        if len(text) > chars * 2:
+            out.append(text[chars : 2 * chars])
+        if len(out) == count:
+            break
+    return out
+
+
+def multiturn(args) -> list[dict]:
+    """A chat whose history grows turn by turn; per turn the prompt cache's resume figures and
+    time to first token warm (cache as the conversation left it) and cold (same prompt, no
+    cache). Assistant replies go back into the history as generated, so the template's own
+    rewriting (dropped <think> blocks) decides where the next prefix really ends."""
+    from .cache.store import PromptStore
+    from .cli import _load_local
+    from .cluster.verifier import Verifier
+    from .config import cache_settings
+    from .engine.speculative import LocalDraftPeer
+    from .requests import GenerateRequest
+
+    settings, target, drafter = _load_local(args)
+    cache = cache_settings(ladder=args.ladder)
+    verifier = Verifier(target, drafter, LocalDraftPeer(drafter) if drafter else None,
+                        PromptStore(cache.max_bytes), cache.ladder_depth, settings.kv_mode,
+                        settings.block_size)  # fmt: skip
+    messages = [{"role": "system", "content": "You are a careful Python reviewer."}]
+    rows = []
+    for turn, snippet in enumerate(_code_snippets(args.turns), start=1):
+        messages.append({"role": "user", "content": f"Review this code:\n```python\n{snippet}\n```"})
+
+        def ask(use_cache):
+            req = GenerateRequest(messages=tuple(messages), max_tokens=args.max_tokens,
+                                  use_cache=use_cache, seed=turn)  # fmt: skip
+            chunks = list(verifier.generate(req))
+            return "".join(c.text for c in chunks), chunks[-1].usage
+
+        cold_text, cold = ask(use_cache=False)
+        text, warm = ask(use_cache=True)
+        assert text == cold_text, "a resumed request must equal the cold one"
+        rows.append({
+            "turn": turn,
+            "prompt_tokens": warm.prompt_tokens,
+            "requested_lcp": warm.requested_lcp,
+            "resumed_at": warm.resumed_at,
+            "prefix_cached": warm.cached_tokens,
+            "cache_hit_ratio": warm.cache_hit_ratio,
+            "ttft_warm_s": warm.ttft_s,
+            "ttft_cold_s": cold.ttft_s,
+            "kv": warm.kv,
+        })  # fmt: skip
+        messages.append({"role": "assistant", "content": text})
+    return rows
+
+
+def register(sub) -> None:
+    """`sanctum bench ...` subcommands."""
+    from .cli import _add_model_flags
+
+    b = sub.add_parser("bench", help="benchmarks that print figures")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    s = bsub.add_parser("speculative", help="plain vs speculative tok/s, tau, round time split")
+    _add_model_flags(s)
+    s.add_argument("--prompt", default="def fibonacci(n):")
+    s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--json", action="store_true")
+    m = bsub.add_parser("multiturn", help="prompt-cache hit ratio and warm/cold TTFT per turn")
+    _add_model_flags(m)
+    m.add_argument("--turns", type=int, default=8)
+    m.add_argument("--max-tokens", type=int, default=48)
+    m.add_argument("--ladder", type=int, help="ladder depth (default SANCTUM_MLX_SSM_LADDER or 4)")
+    m.add_argument("--json", action="store_true")
+    b.set_defaults(func=main)
+
+
+BENCHES = {"speculative": speculative, "multiturn": multiturn}
+
+
 def main(args) -> int:
-    result = {"speculative": speculative}[args.bench](args)
+    result = BENCHES[args.bench](args)
     if args.json:
         print(json.dumps(result))
+    elif isinstance(result, list):
+        keys = list(result[0]) if result else []
+        print("  ".join(f"{k:>15}" for k in keys))
+        for row in result:
+            print("  ".join(f"{str(row[k]):>15}" for k in keys))
     else:
         for k, v in result.items():
             print(f"{k:>26}: {v}")

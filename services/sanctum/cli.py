@@ -109,12 +109,6 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from . import bench
-
-    return bench.main(args)
-
-
 _OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 
 
@@ -156,15 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--block-size", type=int, default=8)
     t.set_defaults(func=cmd_make_tiny)
 
-    b = sub.add_parser("bench", help="benchmarks that print figures")
-    bsub = b.add_subparsers(dest="bench", required=True)
-    s = bsub.add_parser("speculative", help="plain vs speculative tok/s, tau, round time split")
-    _add_model_flags(s)
-    s.add_argument("--prompt", default="def fibonacci(n):")
-    s.add_argument("--max-tokens", type=int, default=128)
-    s.add_argument("--repeats", type=int, default=3)
-    s.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench)
+    from .bench import register as register_bench
+
+    register_bench(sub)
 
     args = parser.parse_args(argv)
     try:
