@@ -30,14 +30,14 @@ class GDNTape:
     cache: object  # the layer's ArraysCache, updated in place on rollback
     conv_input: mx.array  # [B, K-1+S, conv_dim]: old conv state rows, then this pass's rows
     state_in: mx.array  # [B, Hv, Dv, Dk]: recurrent state before the pass
-    row_states: list | None  # S x [B, Hv, Dv, Dk]: state after each row (ops path)
+    row_states: mx.array | None  # [S, B, Hv, Dv, Dk]: state after each row (ops path)
     inputs: tuple | None  # (q, k, v, g, beta) to recompute the recurrence (kernel path)
 
     def rollback(self, keep: int) -> None:
         """Make the layer's cache hold the state after the first `keep` rows of the pass."""
-        num_rows = len(self.row_states) if self.row_states is not None else self.inputs[0].shape[1]
+        num_rows = self.row_states.shape[0] if self.row_states is not None else self.inputs[0].shape[1]
         n_conv = self.conv_input.shape[1] - num_rows
-        self.cache[0] = mx.contiguous(self.conv_input[:, keep : keep + n_conv, :])
+        self.cache[0] = self.conv_input[:, keep : keep + n_conv, :]
         if keep == 0:
             state = self.state_in
         elif self.row_states is not None:
@@ -89,21 +89,21 @@ def _project(mod: nn.Module, x: mx.array):
     return qkv, z, mod.in_proj_b(x), mod.in_proj_a(x)
 
 
-def gdn_forward_taped(
-    mod: nn.Module, x: mx.array, cache, tape: list, row_states: bool = True
-) -> mx.array:
-    """mlx-lm's GDN forward (no padding mask) that appends a GDNTape to `tape`.
+# Row counts up to this run through mx.compile (one graph per shape: decode steps and verify
+# blocks); longer prefill chunks run op by op rather than compiling a huge unrolled loop.
+COMPILE_MAX_ROWS = 32
+_compiled: dict = {}
 
-    `row_states=False` keeps the recurrence inputs instead of per-row states (what the Metal
-    kernel path always does); tests use it to pin the recompute path on the CPU.
+
+def _gdn_math(mod: nn.Module, x: mx.array, conv_state: mx.array, state_in: mx.array, keep: str):
+    """mlx-lm's GDN forward as a pure function of (x, conv state, recurrent state).
+
+    keep: "none" (plain step), "rows" (also the state after every row, stacked [S, B, Hv, Dv, Dk])
+    or "inputs" (also the recurrence inputs q, k, v, g, beta, to recompute on rollback).
     """
     B, S, _ = x.shape
     qkv, z, b, a = _project(mod, x)
-    conv_state = cache[0]
-    if conv_state is None:
-        conv_state = mx.zeros((B, mod.conv_kernel_size - 1, mod.conv_dim), dtype=x.dtype)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)  # [B, K-1+S, conv_dim]
-    cache[0] = mx.contiguous(conv_input[:, -(mod.conv_kernel_size - 1) :, :])
     conv_out = nn.silu(mod.conv1d(conv_input))
     q, k, v = [
         t.reshape(B, S, h, d)
@@ -116,18 +116,47 @@ def gdn_forward_taped(
     q, k = normalize_qk(q, k, inv_scale=mod.head_k_dim**-0.5, eps=1e-6)
     beta = mx.sigmoid(b)
     g = compute_g(mod.A_log, a, mod.dt_bias)
+    if keep == "rows" and not _use_kernel(k):
+        y, states = _recurrence(q, k, v, g, beta, state_in, keep_rows=True)
+        state, extra = states[-1], mx.stack(states)
+    else:
+        y, state = _recurrence(q, k, v, g, beta, state_in)
+        extra = (q, k, v, g, beta) if keep != "none" else ()
+    out = mod.out_proj(mod.norm(y, z).reshape(B, S, -1))
+    return out, conv_input, state, extra
+
+
+def _math_for(mod: nn.Module, keep: str, rows: int):
+    if rows > COMPILE_MAX_ROWS:
+        return lambda *a: _gdn_math(mod, *a, keep)
+    key = (id(mod), keep)
+    if key not in _compiled:
+        _compiled[key] = mx.compile(lambda x, conv, state: _gdn_math(mod, x, conv, state, keep))
+    return _compiled[key]
+
+
+def gdn_forward(mod: nn.Module, x: mx.array, cache, tape: list | None = None,
+                row_states: bool = True) -> mx.array:  # fmt: skip
+    """mlx-lm's GDN forward (no padding mask) on `cache`; with `tape`, appends a GDNTape.
+
+    `row_states=False` keeps the recurrence inputs instead of per-row states (what the Metal
+    kernel path always does); tests use it to pin the recompute path on the CPU.
+    """
+    B, S, _ = x.shape
+    conv_state = cache[0]
+    if conv_state is None:
+        conv_state = mx.zeros((B, mod.conv_kernel_size - 1, mod.conv_dim), dtype=x.dtype)
     state_in = cache[1]
     if state_in is None:
         state_in = mx.zeros((B, mod.num_v_heads, mod.head_v_dim, mod.head_k_dim), mx.float32)
-    if _use_kernel(k) or not row_states:
-        out, state = _recurrence(q, k, v, g, beta, state_in)
-        entry = GDNTape(cache, conv_input, state_in, None, (q, k, v, g, beta))
-    else:
-        out, row_states = _recurrence(q, k, v, g, beta, state_in, keep_rows=True)
-        state = row_states[-1]
-        entry = GDNTape(cache, conv_input, state_in, row_states, None)
+    keep = "none" if tape is None else ("rows" if row_states else "inputs")
+    out, conv_input, state, extra = _math_for(mod, keep, S)(x, conv_state, state_in)
+    cache[0] = conv_input[:, -(mod.conv_kernel_size - 1) :, :]
     cache[1] = state
     cache.advance(S)
-    tape.append(entry)
-    out = mod.norm(out, z)
-    return mod.out_proj(out.reshape(B, S, -1))
+    if tape is not None:
+        if isinstance(extra, mx.array):
+            tape.append(GDNTape(cache, conv_input, state_in, extra, None))
+        else:
+            tape.append(GDNTape(cache, conv_input, state_in, None, tuple(extra)))
+    return out

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from mlx_lm.utils import load_model, load_tokenizer
 
-from .gdn import GDNTape, gdn_forward_taped
+from .gdn import COMPILE_MAX_ROWS, GDNTape, gdn_forward
 
 # mlx-lm model types whose layers are all full attention or Gated DeltaNet.
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -92,6 +92,7 @@ class Target:
         self._first_gdn = next((i for i, g in enumerate(self.is_gdn) if g), None)
         # GDN rollback: keep per-row states (ops path) or recompute from recorded inputs
         self.tape_row_states = True
+        self._compiled_mlp: dict = {}
         max_pos = text_config.get("max_position_embeddings") or 32768
         self.max_context = int(max_pos)
 
@@ -128,25 +129,27 @@ class Target:
             if self._first_attn is not None
             else None
         )
-        ssm_mask = create_ssm_mask(h, cache[self._first_gdn]) if self._first_gdn is not None else None
         wanted = {layer_id: None for layer_id in tap_ids}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             if self.is_gdn[i]:
-                if tape is not None:
-                    r = gdn_forward_taped(
-                        layer.linear_attn, layer.input_layernorm(h), c, tape, self.tape_row_states
-                    )
-                    h = h + r
-                    h = h + layer.mlp(layer.post_attention_layernorm(h))
-                else:
-                    h = layer(h, mask=ssm_mask, cache=c)
+                r = gdn_forward(layer.linear_attn, layer.input_layernorm(h), c, tape, self.tape_row_states)
             else:
-                h = layer(h, mask=attn_mask, cache=c)
+                r = layer.self_attn(layer.input_layernorm(h), attn_mask, c)
+            h = self._residual_mlp(layer, h, r)
             if i in wanted:
                 wanted[i] = h
         taps = mx.concatenate([wanted[i] for i in tap_ids], axis=-1)[0] if tap_ids else None
         out = h[0] if all_logits else h[0, -1:]
         return self.lm_head(self.norm(out)), taps
+
+    def _residual_mlp(self, layer, h: mx.array, r: mx.array) -> mx.array:
+        """h + r, then the layer's MLP block: compiled for decode-sized row counts."""
+        if h.shape[1] > COMPILE_MAX_ROWS:
+            return _residual_mlp(layer, h, r)
+        fn = self._compiled_mlp.get(id(layer))
+        if fn is None:
+            fn = self._compiled_mlp[id(layer)] = mx.compile(lambda h, r: _residual_mlp(layer, h, r))
+        return fn(h, r)
 
     def verify(
         self, block: mx.array, cache: list, tap_ids: tuple[int, ...]
@@ -215,6 +218,12 @@ class Target:
             cache[i][0], cache[i][1] = conv, state
 
 
+def _residual_mlp(layer, h: mx.array, r: mx.array) -> mx.array:
+    # the second half of mlx-lm's DecoderLayer.__call__ (same for every supported model type)
+    h = h + r
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 def cache_offset(cache: list) -> int:
     """Number of tokens the cache holds (attention offset, or GDN-only models: tracked lengths)."""
     for c in cache:
@@ -241,5 +250,7 @@ def load_target(path_or_id: str | Path) -> Target:
         raise CheckpointError(f"{path}: config.json is missing a field the model needs: {exc}") from None
     except ValueError as exc:
         raise CheckpointError(f"{path}: weights do not match the config: {exc}") from None
+    if mx.default_device() == mx.cpu and not ({"quantization", "quantization_config"} & set(config)):
+        model.set_dtype(mx.float32)  # MLX's CPU half-precision matmuls are 3-4x slower than fp32
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     return Target(model, tokenizer, config, path)
