@@ -123,3 +123,21 @@ def test_cli_reports_bad_flags(make_pair, capsys):
     rc = main(["generate", "--model", str(target_dir), "--drafter", str(drafter_dir),
                "--prompt", "x", "--top-p", "1.5"])  # fmt: skip
     assert rc == 2 and "top_p" in capsys.readouterr().err
+
+
+def test_hub_id_resolves_through_local_cache_offline(make_pair, tmp_path, monkeypatch):
+    """A hub id already in the local Hugging Face cache loads with no network access."""
+    import huggingface_hub.constants as hf_constants
+
+    target_dir, drafter_dir = make_pair("hybrid", "dflash")
+    cache = tmp_path / "hub"
+    for repo, src in (("sanctum-test/tiny-target", target_dir), ("sanctum-test/tiny-drafter", drafter_dir)):
+        root = cache / f"models--{repo.replace('/', '--')}"
+        shutil.copytree(src, root / "snapshots" / ("0" * 40))
+        (root / "refs").mkdir()
+        (root / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    target = load_target("sanctum-test/tiny-target")
+    drafter = load_drafter("sanctum-test/tiny-drafter", target)
+    assert target.num_layers == 8 and drafter.block_size == 8
