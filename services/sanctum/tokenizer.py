@@ -136,6 +136,7 @@ class TextStream:
         self.stop = [s for s in (stop or []) if s]
         self.tokens: list[int] = []
         self.text = ""  # text emitted so far
+        self._base, self._base_text = 0, ""  # tokens[:_base] decode to _base_text
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
@@ -152,10 +153,20 @@ class TextStream:
                 return n, True
         return len(new), False
 
+    def _full_text(self) -> str:
+        """Decoded text of all tokens, decoding only what came since the last clean boundary
+        (byte-level BPE decodes piecewise at UTF-8 boundaries), so a round costs O(new)."""
+        tail = self._decode(self.tokens[self._base :])
+        if not tail.endswith("\ufffd"):
+            self._base_text += tail
+            self._base = len(self.tokens)
+            return self._base_text
+        return self._base_text + tail
+
     def push(self, new: list[int]) -> str:
         """Add committed tokens; returns the text delta safe to emit now."""
         self.tokens.extend(new)
-        full = self._decode(self.tokens)
+        full = self._full_text()
         for s in self.stop:
             if (i := full.find(s)) >= 0:
                 full = full[:i]
@@ -173,7 +184,7 @@ class TextStream:
 
     def finish(self) -> str:
         """The rest of the text once the completion is over (held-back chars are released)."""
-        full = self._decode(self.tokens)
+        full = self._full_text()
         for s in self.stop:
             if (i := full.find(s)) >= 0:
                 full = full[:i]
