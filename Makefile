@@ -6,7 +6,7 @@ SANCTUM := $(VENV)/bin/sanctum
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 BLAS_ENV = $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 
-.PHONY: setup run test test-fast lint proto clean
+.PHONY: setup run test test-fast lint proto serve clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,21 @@ test: setup
 
 test-fast: setup
 	$(BLAS_ENV) $(PY) -m pytest -q -m "not slow"
+
+# Generated modules are committed (a fresh install needs no codegen); rerun after editing proto/.
+GEN    := services/sanctum/api/gen
+proto: setup
+	rm -rf build/proto && mkdir -p build/proto
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=build/proto --pyi_out=build/proto \
+		--grpc_python_out=build/proto proto/sanctum/v1/inference.proto
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=build/proto --pyi_out=build/proto proto/sanctum/v1/roles.proto
+	# protoc writes absolute imports (`from sanctum.v1 import`) that would clash with our package
+	for f in build/proto/sanctum/v1/*; do \
+		sed -e 's/^from sanctum\.v1 import/from . import/' $$f > $(GEN)/$$(basename $$f); done
+
+# `make serve`: the actor cluster and gRPC on 127.0.0.1:1337 (embedded model unless SANCTUM_MODEL)
+serve: setup
+	$(BLAS_ENV) $(SANCTUM) serve
 
 lint: setup
 	$(VENV)/bin/ruff check services tests && $(VENV)/bin/ruff format --check services tests
