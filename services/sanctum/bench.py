@@ -140,10 +140,20 @@ def register(sub) -> None:
     m.add_argument("--max-tokens", type=int, default=48)
     m.add_argument("--ladder", type=int, help="ladder depth (default SANCTUM_MLX_SSM_LADDER or 4)")
     m.add_argument("--json", action="store_true")
+    from .cluster.isolation import add_parser as add_isolation
+
+    add_isolation(bsub, _add_model_flags)
     b.set_defaults(func=main)
 
 
-BENCHES = {"speculative": speculative, "multiturn": multiturn}
+def isolation(args) -> dict:
+    """Actor cluster vs inline (cluster/isolation.py)."""
+    from .cluster.isolation import run
+
+    return run(args)
+
+
+BENCHES = {"speculative": speculative, "multiturn": multiturn, "isolation": isolation}
 
 
 def main(args) -> int:

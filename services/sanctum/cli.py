@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--block-size", type=int, default=8)
     t.set_defaults(func=cmd_make_tiny)
 
+    from .api.commands import register as register_serve
+
+    register_serve(sub)
     from .bench import register as register_bench
 
     register_bench(sub)

@@ -1,0 +1,170 @@
+"""A Python client for `sanctum serve`, and the `sanctum generate --server` path.
+
+from sanctum.api.client import Client
+with Client("127.0.0.1:1337") as c:
+    for piece in c.generate("def fibonacci(n):", max_tokens=64):
+        print(piece.text, end="")
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .convert import round_of
+from .gen import inference_pb2 as pb
+from .gen import inference_pb2_grpc as pb_grpc
+
+_KV = {None: pb.KV_MODE_UNSPECIFIED, "fp16": pb.KV_MODE_FP16, "q8": pb.KV_MODE_Q8}
+
+
+def make_request(
+    prompt: str | None = None,
+    *,
+    token_ids: list[int] | None = None,
+    messages: list[dict] | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: list[str] | tuple[str, ...] = (),
+    kv_mode: str | None = None,
+    use_cache: bool | None = None,
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    """A GenerateRequest; None leaves a field unset (the server's default applies)."""
+    req = pb.GenerateRequest(stop=list(stop), kv_mode=_KV[kv_mode], request_id=request_id)
+    if prompt is not None:
+        req.text = prompt
+    elif token_ids is not None:
+        req.token_ids.ids.extend(token_ids)
+    elif messages is not None:
+        req.chat.SetInParent()
+        for m in messages:
+            req.chat.messages.add(role=m["role"], content=m["content"])
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
+                        ("top_k", top_k), ("seed", seed), ("use_cache", use_cache)):  # fmt: skip
+        if value is not None:
+            setattr(req, name, value)
+    return req
+
+
+class Client:
+    """A channel to one server; every call takes an optional `timeout` (seconds: a deadline)."""
+
+    def __init__(self, target: str, max_message_bytes: int = 16 << 20):
+        self.target = target
+        self.channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ])  # fmt: skip
+        self.stub = pb_grpc.InferenceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def __enter__(self) -> Client:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def stream(self, request: pb.GenerateRequest, timeout: float | None = None):
+        """The raw streaming call (iterate it; `.cancel()` stops the request)."""
+        return self.stub.Generate(request, timeout=timeout)
+
+    def generate(
+        self, prompt: str | None = None, *, timeout: float | None = None, **kw
+    ) -> Iterator[pb.GenerateResponse]:
+        """Stream a completion: one GenerateResponse per round (see `make_request` for `kw`)."""
+        return self.stub.Generate(make_request(prompt, **kw), timeout=timeout)
+
+    def complete(
+        self, prompt: str | None = None, *, timeout: float | None = None, **kw
+    ) -> pb.CompleteResponse:
+        """The whole completion in one response."""
+        return self.stub.Complete(make_request(prompt, **kw), timeout=timeout)
+
+    def stats(self, timeout: float | None = 10) -> pb.StatsResponse:
+        return self.stub.GetStats(pb.StatsRequest(), timeout=timeout)
+
+    def list_cache(self, model_key: str = "", timeout: float | None = 10) -> pb.ListCacheResponse:
+        return self.stub.ListCache(pb.ListCacheRequest(model_key=model_key), timeout=timeout)
+
+    def clear_cache(self, model_key: str = "", timeout: float | None = 10) -> int:
+        return self.stub.ClearCache(
+            pb.ClearCacheRequest(model_key=model_key), timeout=timeout
+        ).removed
+
+    def health(self, service: str = "", timeout: float | None = 5) -> str:
+        """SERVING | NOT_SERVING | SERVICE_UNKNOWN | UNKNOWN."""
+        resp = self.health_stub.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        """Poll health until SERVING (models loaded)."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health() == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > end:
+                raise TimeoutError(f"{self.target} not SERVING after {timeout:.0f} s")
+            time.sleep(0.2)
+
+
+def generate_remote(server: str, args, sampling) -> dict:
+    """`sanctum generate --server HOST:PORT`: the same JSON object as the local form."""
+    for flag in ("model", "drafter", "block_size", "bits"):
+        if getattr(args, flag, None) is not None:
+            raise ValueError(
+                f"--{flag.replace('_', '-')} is a server setting; pass it to `sanctum serve`"
+            )
+    req = make_request(args.prompt, max_tokens=args.max_tokens, stop=args.stop,
+                       kv_mode=getattr(args, "kv", None), seed=sampling.seed,
+                       temperature=sampling.temperature, top_p=sampling.top_p,
+                       top_k=sampling.top_k)  # fmt: skip
+    tokens, rounds, text, finish, usage = [], [], "", None, None
+    t0 = time.perf_counter()
+    with Client(server) as client:
+        try:
+            stats = client.stats()
+            for m in client.stub.Generate(req):
+                tokens.extend(m.token_ids)
+                text += m.text
+                if m.index:
+                    rounds.append(round_of(m))
+                    if getattr(args, "verbose", False):
+                        r = rounds[-1]
+                        print(f"bs={r['bs']} accepted={r['accepted']} committed={r['committed']} "
+                              f"completion_tokens={len(tokens)}", file=sys.stderr)  # fmt: skip
+                finish = m.finish_reason or finish
+                if m.HasField("usage"):
+                    usage = m.usage
+        except grpc.RpcError as exc:
+            raise ValueError(f"{server}: {exc.code().name}: {exc.details()}") from None
+    elapsed = time.perf_counter() - t0
+    spec = [r for r in rounds if r["bs"] > 1]
+    return {
+        "tokens": tokens,
+        "text": text,
+        "rounds": rounds,
+        "tau": round(sum(r["accepted"] + 1 for r in spec) / len(spec), 4) if spec else None,
+        "prompt_tokens": usage.prompt_tokens if usage else None,
+        "completion_tokens": len(tokens),
+        "finish_reason": finish,
+        "elapsed_s": round(elapsed, 4),
+        "tok_per_s": round(len(tokens) / elapsed, 2) if elapsed > 0 else None,
+        "kv": usage.kv if usage else None,
+        "drafter": stats.drafter or None,
+    }

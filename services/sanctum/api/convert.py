@@ -1,0 +1,109 @@
+"""sanctum.v1 messages <-> the transport-free request types of `sanctum.requests`.
+
+The one place where wire field names meet the engine's: errors name the wire field
+(`token_ids`, `chat.messages[2].role`), so a client can tell what to fix.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from ..requests import Chunk, GenerateRequest, InvalidRequest, Usage
+from .gen import inference_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 64
+_KV = {pb.KV_MODE_UNSPECIFIED: None, pb.KV_MODE_FP16: "fp16", pb.KV_MODE_Q8: "q8"}
+_KV_BACK = {v: k for k, v in _KV.items()}
+# request dataclass field -> public proto field
+_WIRE_FIELDS = {"prompt": "text", "prompt_ids": "token_ids", "messages": "chat.messages"}
+
+
+def wire_field(name: str) -> str:
+    """`messages[2].role` -> `chat.messages[2].role`, `prompt_ids` -> `token_ids`."""
+    head = re.match(r"[a-z_]+", name)
+    if head and head.group(0) in _WIRE_FIELDS:
+        return _WIRE_FIELDS[head.group(0)] + name[head.end() :]
+    return name
+
+
+def invalid_message(exc: InvalidRequest) -> str:
+    """'<wire field>: <what is wrong>' with engine field names translated."""
+    text = str(exc)
+    if text.startswith(f"{exc.field}: "):
+        text = text[len(exc.field) + 2 :]
+    for engine in ("prompt_ids", "messages"):  # names in the text; not the word "prompt"
+        text = re.sub(rf"\b{engine}\b", _WIRE_FIELDS[engine], text)
+    return f"{getattr(exc, 'wire_field', None) or wire_field(exc.field)}: {text}"
+
+
+def request_from_proto(m: pb.GenerateRequest, request_id: str | None = None) -> GenerateRequest:
+    which = m.WhichOneof("prompt")
+    if which is None:
+        exc = InvalidRequest("prompt", "give one of text, token_ids or chat")
+        exc.wire_field = "prompt"  # the oneof itself, not its `text` member
+        raise exc
+    if m.kv_mode not in _KV:
+        raise InvalidRequest("kv_mode", f"unknown KV mode {m.kv_mode}")
+    return GenerateRequest(
+        prompt=m.text if which == "text" else None,
+        prompt_ids=tuple(int(t) for t in m.token_ids.ids) if which == "token_ids" else None,
+        messages=tuple({"role": x.role, "content": x.content} for x in m.chat.messages)
+        if which == "chat"
+        else None,
+        max_tokens=m.max_tokens if m.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+        temperature=m.temperature if m.HasField("temperature") else None,
+        top_p=m.top_p if m.HasField("top_p") else None,
+        top_k=m.top_k if m.HasField("top_k") else None,
+        seed=m.seed if m.HasField("seed") else None,
+        stop=tuple(m.stop),
+        kv_mode=_KV[m.kv_mode],
+        use_cache=m.use_cache if m.HasField("use_cache") else True,
+        request_id=request_id or m.request_id or uuid.uuid4().hex,
+    )
+
+
+def request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:
+    m = pb.GenerateRequest(max_tokens=req.max_tokens, stop=list(req.stop),
+                           kv_mode=_KV_BACK.get(req.kv_mode or None, pb.KV_MODE_UNSPECIFIED),
+                           use_cache=req.use_cache, request_id=req.request_id)  # fmt: skip
+    if req.prompt is not None:
+        m.text = req.prompt
+    elif req.prompt_ids is not None:
+        m.token_ids.ids.extend(req.prompt_ids)
+    elif req.messages is not None:
+        m.chat.SetInParent()
+        for msg in req.messages:
+            m.chat.messages.add(role=msg.get("role", ""), content=msg.get("content", ""))
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(req, name) is not None:
+            setattr(m, name, getattr(req, name))
+    return m
+
+
+def usage_to_proto(u: Usage) -> pb.Usage:
+    return pb.Usage(**{f: getattr(u, f) for f in pb.Usage.DESCRIPTOR.fields_by_name})
+
+
+def usage_from_proto(m: pb.Usage) -> Usage:
+    return Usage(**{f: getattr(m, f) for f in pb.Usage.DESCRIPTOR.fields_by_name})
+
+
+def chunk_to_proto(chunk: Chunk, index: int) -> pb.GenerateResponse:
+    m = pb.GenerateResponse(index=index, text=chunk.text, token_ids=chunk.token_ids,
+                            drafted=chunk.drafted, accepted=chunk.accepted,
+                            finish_reason=chunk.finish_reason or "")  # fmt: skip
+    if chunk.usage is not None:
+        m.usage.CopyFrom(usage_to_proto(chunk.usage))
+    return m
+
+
+def chunk_from_proto(m: pb.GenerateResponse) -> Chunk:
+    return Chunk(m.text, list(m.token_ids), m.drafted, m.accepted, m.finish_reason or None,
+                 usage_from_proto(m.usage) if m.HasField("usage") else None)  # fmt: skip
+
+
+def round_of(m: pb.GenerateResponse) -> dict:
+    """The seed's per-round line for a response (index >= 1): bs, accepted, committed."""
+    return {"bs": m.drafted + 1 if m.drafted else 1, "accepted": m.accepted,
+            "committed": len(m.token_ids)}  # fmt: skip

@@ -1,0 +1,379 @@
+"""The actor cluster: verifier, drafter and ladder store, each its own Ray actor process, and the
+front end's `ClusterBackend` that talks to them.
+
+- `VerifierActor`: the target, its live caches and the `Scheduler` (the same one inline mode
+  uses); the drafter head (the target's LM head + DFlash 2 selector) lives here, see
+  cluster/drafter.py. Streams each request's chunks back as a Ray streaming generator of
+  `VerifierEvents` (roles.proto), several chunks per item when the consumer lags.
+  Restarts forever; in-flight requests are NOT retried (their callers get UNAVAILABLE).
+- `DrafterActor`: only the drafter body; per-round traffic arrives over shared memory
+  (cluster/transport.py), never as an actor call, except across hosts. Restarts forever;
+  the verifier decodes plainly meanwhile and reconnects.
+- `StoreActor`: the prompt cache, persisted in a directory; a restart reloads it. Restarts
+  forever; the verifier serves uncached meanwhile.
+All three take no Ray CPUs (MLX threads are not Ray's to count) and accept custom resources
+for placement on other hosts (deploy/PLACEMENT.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+
+import numpy as np
+import ray
+
+from ..api.convert import chunk_from_proto, chunk_to_proto, request_from_proto, request_to_proto
+from ..api.gen import inference_pb2 as pb
+from ..api.gen import roles_pb2 as roles
+from ..requests import InvalidRequest, Limits
+from .backend import ServeSettings, make_verifier, stats_message, target_shape
+from .scheduler import End, InternalError, QueueFull, Unavailable
+
+log = logging.getLogger("sanctum.cluster")
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=os.environ.get("SANCTUM_LOG", "INFO"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+
+
+# ---- errors on the wire --------------------------------------------------------------------
+
+
+def error_event(exc: BaseException) -> roles.VerifierEvent:
+    E = roles.RoleError
+    if isinstance(exc, InvalidRequest):
+        text = str(exc)
+        text = text[len(exc.field) + 2 :] if text.startswith(f"{exc.field}: ") else text
+        err = E(code=E.INVALID_ARGUMENT, field=exc.field, message=text)
+    elif isinstance(exc, QueueFull):
+        err = E(code=E.RESOURCE_EXHAUSTED, message=str(exc))
+    elif isinstance(exc, Unavailable):
+        err = E(code=E.UNAVAILABLE, message=str(exc))
+    else:
+        err = E(code=E.INTERNAL, message=str(exc) or exc.__class__.__name__)
+    return roles.VerifierEvent(error=err)
+
+
+def error_from_wire(err: roles.RoleError) -> Exception:
+    E = roles.RoleError
+    if err.code == E.INVALID_ARGUMENT:
+        return InvalidRequest(err.field, err.message)
+    if err.code == E.RESOURCE_EXHAUSTED:
+        return QueueFull(err.message)
+    if err.code == E.UNAVAILABLE:
+        return Unavailable(err.message)
+    return InternalError(err.message)
+
+
+# ---- the actors ------------------------------------------------------------------------------
+
+
+@ray.remote
+class DrafterActor:
+    """The drafter body (no vocabulary-sized weights), serving rounds over shared memory."""
+
+    def __init__(self, settings: ServeSettings, shape: tuple[int, int, int]):
+        _setup_logging()
+        from ..engine.drafter import load_drafter
+        from .drafter import DraftService
+        from .transport import SocketServer
+
+        e = settings.engine
+
+        def load():  # on the server's MLX thread: MLX streams belong to the thread that made them
+            drafter = load_drafter(e.drafter, None, block_size=e.block_size, bits=e.drafter_bits,
+                                   parts="body", target_shape=shape)  # fmt: skip
+            self.service = DraftService(drafter)
+            self.bits = drafter.bits
+            return self.service.handle
+
+        self.server = SocketServer(load, lambda client: self.service.drop_client(client))
+        self.server.wait_ready()
+        self.info = roles.DrafterInfo(
+            node_id=ray.get_runtime_context().get_node_id(), address=self.server.address,
+            authkey=self.server.authkey, pid=os.getpid(), drafter=e.drafter, bits=self.bits,
+            started=time.time(),
+        )  # fmt: skip
+        log.info("drafter: body loaded (%s, bits=%d), listening on %s", e.drafter, self.bits,
+                 self.server.address)  # fmt: skip
+
+    def connect(self) -> bytes:
+        """How to reach this drafter (DrafterInfo)."""
+        return self.info.SerializeToString()
+
+    def serve_object_store(self, client: str, request: bytes, arrays: list[np.ndarray]):
+        """The cross-host path: one DraftRequest with its tensors from the object store."""
+        from .transport import dtype_name, from_numpy, to_numpy
+
+        req = roles.DraftRequest.FromString(request)
+
+        def job():
+            reply, hidden = self.service.handle(
+                client, req, lambda r: from_numpy(arrays[r.offset], r.dtype)
+            )
+            out = []
+            if hidden is not None:
+                ref = roles.TensorRef(offset=0, shape=hidden.shape, dtype=dtype_name(hidden.dtype))
+                reply.hidden.CopyFrom(ref)
+                out.append(np.array(to_numpy(hidden)))
+            return reply.SerializeToString(), out
+
+        return self.server.submit(job).result()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@ray.remote
+class StoreActor:
+    """The ladder store; with a directory it reloads its entries after a restart."""
+
+    def __init__(self, max_bytes: int, directory: str | None):
+        _setup_logging()
+        from ..cache.store import PromptStore
+        from .store import StoreService
+
+        self.service = StoreService(PromptStore(max_bytes, directory))
+        log.info("ladder store: %d entries loaded from %s", len(self.service.store), directory)
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    pid = ping
+
+    def plan(self, query: bytes):
+        return self.service.plan(query)
+
+    def put(self, header: bytes, arrays: list[np.ndarray]) -> str:
+        return self.service.put(header, arrays)
+
+    def list(self, model_key: str = "") -> bytes:
+        return self.service.list(model_key)
+
+    def clear(self, model_key: str = "") -> int:
+        return self.service.clear(model_key)
+
+    def stats(self) -> bytes:
+        return self.service.stats()
+
+
+@ray.remote
+class VerifierActor:
+    """The target and its live sequences, scheduled round by round."""
+
+    def __init__(self, settings: ServeSettings, drafter_name: str | None, store_name: str | None):
+        _setup_logging()
+        # peers by name, not handle: handles as constructor arguments live in the object store,
+        # where a restart may no longer find them (ray-project/ray#53727)
+        drafter = ray.get_actor(drafter_name) if drafter_name else None
+        store = ray.get_actor(store_name) if store_name else None
+        from .drafter import RemoteDraftPeer
+        from .scheduler import Scheduler
+        from .store import StoreProxy
+
+        self.settings = settings
+        node = ray.get_runtime_context().get_node_id()
+        self.store = StoreProxy(store) if store is not None else None
+        self.peer = None
+
+        def remote_peer():
+            self.peer = RemoteDraftPeer(drafter, node, settings.transport)
+            return self.peer
+
+        # the scheduler's thread loads the models and then owns MLX
+        self.scheduler = Scheduler(
+            lambda: make_verifier(settings, self.store, remote_peer if drafter is not None else None),
+            settings.max_active, settings.max_queue, settings.round_delay_s,
+        )  # fmt: skip
+        self.scheduler.wait_ready()
+        self.verifier = self.scheduler.verifier
+        log.info("verifier: %s loaded; drafter transport %s", settings.engine.model,
+                 self.peer.kind if self.peer else "none")  # fmt: skip
+
+    def ready(self) -> tuple:
+        """Request limits (vocab_size, max_context, max_tokens), once the models are loaded."""
+        lim = self.verifier.limits
+        return lim.vocab_size, lim.max_context, lim.max_tokens
+
+    def generate(self, submit: bytes):
+        """Streaming: VerifierEvents (bytes) per item, until the request ends."""
+        sub = roles.Submit.FromString(submit)
+        try:
+            req = request_from_proto(sub.request, sub.request_id)
+            ticket = self.scheduler.submit(req, sub.mode or "streaming", sub.deadline_unix or None)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller as a role error
+            yield roles.VerifierEvents(events=[error_event(exc)]).SerializeToString()
+            return
+        index = 0
+        while True:
+            events = roles.VerifierEvents()
+            done = False
+            for item in ticket.next_batch():
+                if isinstance(item, End):
+                    done = True
+                elif isinstance(item, BaseException):
+                    events.events.append(error_event(item))
+                    done = True
+                else:
+                    events.events.add().chunk.CopyFrom(chunk_to_proto(item, index))
+                    index += 1
+            if events.events:
+                yield events.SerializeToString()
+            if done:
+                return
+
+    def cancel(self, request_id: str) -> bool:
+        return self.scheduler.cancel(request_id)
+
+    def stats(self) -> bytes:
+        out = stats_message(
+            "cluster", self.settings, self.verifier, self.scheduler.stats(), self.peer
+        )
+        return out.SerializeToString()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+# ---- the front end's side ------------------------------------------------------------------
+
+
+def start_cluster(settings: ServeSettings) -> ClusterBackend:
+    """Create the three actors on the connected Ray cluster (ray.init first)."""
+    if not ray.is_initialized():
+        raise RuntimeError("ray.init() first (a local cluster, or RAY_ADDRESS)")
+
+    def opts(role: str, **kw) -> dict:
+        res = settings.resources.get(role)
+        return dict(num_cpus=0, max_restarts=-1, **kw, **({"resources": res} if res else {}))
+
+    prefix = f"sanctum-{uuid.uuid4().hex[:8]}"
+    store = StoreActor.options(**opts("store", name=f"{prefix}-store", max_task_retries=0)).remote(
+        settings.cache.max_bytes, settings.cache.directory
+    )
+    drafter = None
+    if settings.engine.drafter:
+        drafter_opts = opts(
+            "drafter", name=f"{prefix}-drafter", max_task_retries=-1, max_concurrency=4
+        )
+        drafter = DrafterActor.options(**drafter_opts).remote(
+            settings, target_shape(settings.engine.model)
+        )
+    concurrency = settings.max_active + settings.max_queue + 16  # generator threads wait on tickets
+    verifier_opts = opts(
+        "verifier", name=f"{prefix}-verifier", max_task_retries=0, max_concurrency=concurrency
+    )
+    verifier = VerifierActor.options(**verifier_opts).remote(
+        settings, f"{prefix}-drafter" if drafter else None, f"{prefix}-store"
+    )
+    return ClusterBackend(settings, verifier, drafter, store)
+
+
+class ClusterBackend:
+    """The front end's view of the actor cluster (same calls as InlineBackend)."""
+
+    mode = "cluster"
+
+    def __init__(self, settings: ServeSettings, verifier, drafter, store):
+        self.settings = settings
+        self.verifier, self.drafter, self.store = verifier, drafter, store
+        self.on_health = None  # callable(bool): the server flips health while the verifier restarts
+        self.limits = None
+        self._watching = threading.Lock()
+
+    def ready(self, timeout: float | None = None) -> None:
+        """Block until the verifier (and through it the drafter and store) has loaded."""
+        self.limits = Limits(*ray.get(self.verifier.ready.remote(), timeout=timeout))
+
+    def submit(self, req, mode: str = "streaming", deadline: float | None = None):
+        sub = roles.Submit(request=request_to_proto(req), request_id=req.request_id, mode=mode,
+                           deadline_unix=deadline or 0.0)  # fmt: skip
+        stream = self.verifier.generate.options(num_returns="streaming").remote(
+            sub.SerializeToString()
+        )
+        return self._chunks(stream)
+
+    def _chunks(self, stream):
+        try:
+            for ref in stream:
+                for ev in roles.VerifierEvents.FromString(ray.get(ref)).events:
+                    if ev.HasField("error"):
+                        raise error_from_wire(ev.error)
+                    yield chunk_from_proto(ev.chunk)
+        except ray.exceptions.RayActorError:
+            self._verifier_lost()
+            raise Unavailable(
+                "the verifier actor died while serving this request; it is restarting, "
+                "retry the request shortly"
+            ) from None
+        except ray.exceptions.RayTaskError as exc:
+            raise InternalError(f"verifier task failed: {exc.cause!r}") from None
+
+    def _verifier_lost(self) -> None:
+        """Report NOT_SERVING until the restarted verifier has loaded its models."""
+        if not self._watching.acquire(blocking=False):
+            return
+        if self.on_health:
+            self.on_health(False)
+
+        def watch():
+            try:
+                while True:
+                    try:
+                        self.ready(timeout=60)
+                        break
+                    except Exception:  # noqa: BLE001 - still restarting
+                        time.sleep(0.5)
+                log.info("verifier: back after a restart")
+                if self.on_health:
+                    self.on_health(True)
+            finally:
+                self._watching.release()
+
+        threading.Thread(target=watch, name="sanctum-verifier-watch", daemon=True).start()
+
+    def cancel(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):  # a dead verifier has nothing left to cancel
+            self.verifier.cancel.remote(request_id)
+
+    def stats(self) -> pb.StatsResponse:
+        try:
+            out = pb.StatsResponse.FromString(ray.get(self.verifier.stats.remote(), timeout=10))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            raise Unavailable("the verifier is restarting") from None
+        try:
+            out.cache.CopyFrom(
+                pb.CacheStats.FromString(ray.get(self.store.stats.remote(), timeout=5))
+            )
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            out.cache.available = False
+        return out
+
+    def _store_call(self, method, *args):
+        try:
+            return ray.get(method.remote(*args), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            raise Unavailable("the ladder store is restarting; retry shortly") from None
+
+    def list_cache(self, model_key: str = "") -> pb.ListCacheResponse:
+        return pb.ListCacheResponse.FromString(self._store_call(self.store.list, model_key))
+
+    def clear_cache(self, model_key: str = "") -> int:
+        return self._store_call(self.store.clear, model_key)
+
+    def pids(self) -> dict[str, int]:
+        """Process ids of the role actors (fault-injection tests, operators)."""
+        handles = {"verifier": self.verifier, "drafter": self.drafter, "store": self.store}
+        return {k: ray.get(h.pid.remote(), timeout=60) for k, h in handles.items() if h is not None}
+
+    def close(self) -> None:
+        for h in (self.verifier, self.drafter, self.store):
+            if h is not None:
+                with contextlib.suppress(Exception):  # already gone
+                    ray.kill(h, no_restart=True)

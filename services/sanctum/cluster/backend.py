@@ -1,0 +1,181 @@
+"""What the gRPC front end serves from: the roles inline (plain objects in this process) or as
+a Ray actor cluster. Both backends answer the same calls (`submit`, `cancel`, `stats`,
+`list_cache`, `clear_cache`, `ready`, `close`) with the same types, so the servicer, the
+benchmarks and the tests cannot tell them apart except by speed and fault behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..api.gen import inference_pb2 as pb
+from ..config import CacheSettings, EngineSettings, cache_settings, engine_settings, sanctum_home
+from ..requests import Chunk, GenerateRequest
+
+log = logging.getLogger("sanctum.backend")
+ROLES = ("verifier", "drafter", "store")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything `sanctum serve` (or a test, or a benchmark) decides about the roles."""
+
+    engine: EngineSettings
+    cache: CacheSettings
+    max_active: int = 8  # requests interleaved round by round
+    max_queue: int = 64  # more requests may wait; beyond that RESOURCE_EXHAUSTED
+    max_tokens_limit: int = 4096
+    transport: str = "auto"  # drafter transport: auto (by Ray node) | shm | object_store
+    round_delay_s: float = 0.0  # benchmark knob: emulate a slower target round
+    resources: dict = field(default_factory=dict)  # role -> Ray custom resources (placement)
+
+
+def serve_settings(
+    model=None, drafter=None, block_size=None, bits=None, kv_mode=None, ladder=None,
+    cache_bytes=None, cache_dir=None, max_active=None, max_queue=None, transport=None,
+    resources=None, round_delay_ms=0.0, env=os.environ,
+) -> ServeSettings:  # fmt: skip
+    """Flags (non-None) over environment over defaults. The prompt cache persists in
+    SANCTUM_HOME/prompt-cache unless a directory (or "none") is given."""
+    engine = engine_settings(model, drafter, block_size, bits, kv_mode, env=env)
+    cache = cache_settings(ladder, cache_bytes, cache_dir, env=env)
+    if cache.directory is None:
+        cache = CacheSettings(
+            cache.ladder_depth, cache.max_bytes, str(sanctum_home() / "prompt-cache")
+        )
+    elif cache.directory == "none":
+        cache = CacheSettings(cache.ladder_depth, cache.max_bytes, None)
+    res = dict(resources or {})
+    for role in ROLES:
+        raw = env.get(f"SANCTUM_{role.upper()}_RESOURCES")
+        if raw and role not in res:
+            try:
+                res[role] = json.loads(raw)
+            except json.JSONDecodeError:
+                raise ValueError(f"SANCTUM_{role.upper()}_RESOURCES is not JSON: {raw!r}") from None
+    transport = transport or env.get("SANCTUM_TRANSPORT", "auto")
+    if transport not in ("auto", "shm", "object_store"):
+        raise ValueError(f"transport must be auto, shm or object_store, got {transport!r}")
+    return ServeSettings(
+        engine, cache,
+        max_active=max_active or int(env.get("SANCTUM_MAX_ACTIVE", 8)),
+        max_queue=max_queue if max_queue is not None else int(env.get("SANCTUM_MAX_QUEUE", 64)),
+        transport=transport, round_delay_s=(round_delay_ms or 0.0) / 1000.0, resources=res,
+    )  # fmt: skip
+
+
+def target_shape(model: str) -> tuple[int, int, int]:
+    """(num_layers, hidden, vocab) from the target's config, without loading its weights."""
+    from ..engine.target import read_config, resolve_checkpoint
+
+    raw = read_config(resolve_checkpoint(model))
+    text = raw.get("text_config", raw)
+    return int(text["num_hidden_layers"]), int(text["hidden_size"]), int(text["vocab_size"])
+
+
+def make_verifier(settings: ServeSettings, store, remote_peer=None):
+    """Load the target and wrap it in the verifier role. Without `remote_peer` the whole
+    drafter is loaded here (inline); with it, only the drafter head (the body is remote)."""
+    from ..engine.target import load_target
+    from .verifier import Verifier
+
+    e = settings.engine
+    target = load_target(e.model)
+    drafter = peer = None
+    if e.drafter:
+        from ..engine.drafter import load_drafter
+        from ..engine.speculative import LocalDraftPeer
+
+        parts = "head" if remote_peer is not None else "both"
+        drafter = load_drafter(
+            e.drafter, target, block_size=e.block_size, bits=e.drafter_bits, parts=parts
+        )
+        peer = remote_peer() if remote_peer is not None else LocalDraftPeer(drafter)
+    return Verifier(target, drafter, peer, store, settings.cache.ladder_depth, e.kv_mode,
+                    e.block_size, settings.max_tokens_limit)  # fmt: skip
+
+
+def stats_message(
+    mode: str, settings: ServeSettings, verifier, sched: dict, peer
+) -> pb.StatsResponse:
+    m = verifier.metrics
+    e = settings.engine
+    out = pb.StatsResponse(
+        model=e.model, drafter=e.drafter or "", block_size=verifier.decoder.block_size, kv=e.kv_mode,
+        mode=mode, active=sched["active"], waiting=sched["waiting"], requests=m.requests,
+        prompt_tokens=m.prompt_tokens, cached_tokens=m.cached_tokens,
+        completion_tokens=m.completion_tokens, rounds=m.rounds, drafted_tokens=m.drafted_tokens,
+        accepted_tokens=m.accepted_tokens, cancelled=sched["cancelled"], rejected=sched["rejected"],
+        drafter_available=bool(e.drafter) and (peer is None or peer.available),
+        transport="inline" if peer is None else peer.kind,
+    )  # fmt: skip
+    if peer is not None:
+        s = peer.summary()
+        out.draft_calls = s["draft_calls"]
+        out.transport_ms_per_round = s["transport_ms_per_call"]
+        out.transport_bytes_per_round = s["bytes_per_call"]
+    return out
+
+
+class InlineBackend:
+    """The three roles as plain objects in this process: the isolation baseline (`--inline`)."""
+
+    mode = "inline"
+
+    def __init__(self, settings: ServeSettings):
+        from ..cache.store import PromptStore
+        from .scheduler import Scheduler
+
+        self.settings = settings
+        self.store = None
+
+        def load():  # on the scheduler's thread, which then owns MLX
+            self.store = PromptStore(settings.cache.max_bytes, settings.cache.directory)
+            return make_verifier(settings, self.store)
+
+        self.scheduler = Scheduler(
+            load, settings.max_active, settings.max_queue, settings.round_delay_s
+        )
+
+    def ready(self, timeout: float | None = None) -> None:
+        """Block until the models are loaded (raises if loading failed)."""
+        self.scheduler.wait_ready(timeout)
+
+    @property
+    def verifier(self):
+        return self.scheduler.verifier
+
+    @property
+    def limits(self):
+        return self.verifier.limits if self.verifier is not None else None
+
+    def submit(
+        self, req: GenerateRequest, mode: str = "streaming", deadline: float | None = None
+    ) -> Iterator[Chunk]:
+        """Chunks of `req` as they are committed; raises QueueFull / Unavailable at once."""
+        return iter(self.scheduler.submit(req, mode, deadline))
+
+    def cancel(self, request_id: str) -> None:
+        self.scheduler.cancel(request_id)
+
+    def stats(self) -> pb.StatsResponse:
+        from .store import cache_stats
+
+        out = stats_message(self.mode, self.settings, self.verifier, self.scheduler.stats(), None)
+        out.cache.CopyFrom(cache_stats(self.store))
+        return out
+
+    def list_cache(self, model_key: str = "") -> pb.ListCacheResponse:
+        from .store import StoreService
+
+        return pb.ListCacheResponse.FromString(StoreService(self.store).list(model_key))
+
+    def clear_cache(self, model_key: str = "") -> int:
+        return self.store.clear(model_key or None)
+
+    def close(self) -> None:
+        self.scheduler.shutdown()

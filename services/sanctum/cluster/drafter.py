@@ -1,0 +1,235 @@
+"""The drafter role, and the verifier's proxy to it.
+
+Where the vocabulary-sized weights live: with the VERIFIER. The drafter actor loads only the
+drafter body (`load_drafter(parts="body")`: fc, its decoder layers, final norm; no embedding,
+no LM head). The verifier already holds the target's embedding and LM head (about 1.3 GB at
+4 bits for a 248K vocabulary) and owns the drafter head (`parts="head"`: the target's LM head
+bound, not copied, plus DFlash 2's candidate selector). Each round the verifier sends the block's
+input embeddings [L, H] and the taps of newly committed rows [C, n_taps*H]; the drafter returns
+the final hidden states [L-1, H]; the verifier projects them to logits and picks the drafts.
+So no process holds a second copy of the vocabulary weights, and the per-round payload is a few
+hundred KB even at 248K vocabulary (logits would be L x 248K floats).
+
+`DraftService` (Ray-free) is the drafter actor's core: the body with one context cache per
+(client, sequence). `RemoteDraftPeer` implements the engine's `DraftPeer` over a transport
+channel (shared memory on one host, the object store across hosts); when the drafter dies it
+raises `DraftUnavailable` (the decoder then steps plainly), reconnects in the background once
+the actor has restarted, and replays each open sequence's context so speculation resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import mlx.core as mx
+
+from ..api.gen import roles_pb2 as roles
+from ..engine.speculative import MAX_PENDING_TAP_ROWS, DraftUnavailable, LocalDraftPeer
+from .transport import ChannelBroken, ObjectStoreChannel, ShmChannel
+
+log = logging.getLogger("sanctum.drafter")
+
+
+class DraftService:
+    """The drafter body serving DraftRequests; sessions are keyed by (client, sequence)."""
+
+    def __init__(self, drafter):
+        self.peer = LocalDraftPeer(drafter)  # used from the one MLX thread only
+
+    def handle(
+        self, client: str, req: roles.DraftRequest, read
+    ) -> tuple[roles.DraftReply, mx.array | None]:
+        op = req.WhichOneof("op")
+        reply = roles.DraftReply()
+        try:
+            if op == "open":
+                self.peer.open(f"{client}/{req.open.seq_id}")
+            elif op == "close":
+                self.peer.close(f"{client}/{req.close.seq_id}")
+            elif op == "draft":
+                call = req.draft
+                taps = read(call.new_taps) if call.HasField("new_taps") else None
+                embeds = read(call.block_embeds)
+                t0 = time.perf_counter()
+                hidden = self.peer.draft(f"{client}/{call.seq_id}", taps, embeds, int(call.start))
+                mx.eval(hidden)
+                reply.compute_ms = (time.perf_counter() - t0) * 1000.0
+                return reply, hidden
+            else:
+                reply.error = f"unknown drafter op {op!r}"
+        except DraftUnavailable as exc:
+            reply.not_open, reply.error = True, str(exc)
+        except Exception as exc:
+            log.exception("drafter: %s failed", op)
+            reply.error = f"{exc.__class__.__name__}: {exc}"
+        return reply, None
+
+    def drop_client(self, client: str) -> None:
+        for key in [k for k in self.peer.caches if k.startswith(f"{client}/")]:
+            self.peer.caches.pop(key, None)
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self.peer.caches)
+
+
+class RemoteDraftPeer:
+    """The engine's DraftPeer, talking to a drafter actor (see the module docstring)."""
+
+    RETRY_S = 0.25  # how often to look for a restarted drafter while it is away
+    MAX_REPLAY_SEQS = 64
+
+    def __init__(self, handle, node_id: str, transport: str = "auto", timeout_s: float = 60.0,
+                 replay_rows: int = MAX_PENDING_TAP_ROWS, connect_timeout_s: float | None = 300.0):  # fmt: skip
+        if transport not in ("auto", "shm", "object_store"):
+            raise ValueError(f"transport must be auto, shm or object_store, got {transport!r}")
+        self.handle, self.node_id, self.transport = handle, node_id, transport
+        self.timeout_s, self.replay_rows = timeout_s, replay_rows
+        self.channel = None
+        self.generation = 0  # bumped on every (re)connection
+        self._connecting = None  # ObjectRef of a pending `connect`
+        self._last_try = 0.0
+        self.sessions: dict[str, int] = {}  # seq_id -> generation it was opened on
+        self.replay: OrderedDict[str, list[mx.array]] = OrderedDict()  # taps already sent
+        self.needs_replay: set[str] = set()
+        self.stats = {"calls": 0, "transport_s": 0.0, "bytes": 0, "reconnects": 0, "failures": 0}
+        self.info: roles.DrafterInfo | None = None
+        self._start_connect()
+        if connect_timeout_s:
+            self._poll_connect(block_s=connect_timeout_s)
+
+    # ---- connection ------------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        return self.channel is not None
+
+    @property
+    def kind(self) -> str:
+        return self.channel.kind if self.channel is not None else "down"
+
+    def _start_connect(self) -> None:
+        self._connecting = self.handle.connect.remote()
+        self._last_try = time.monotonic()
+
+    def _poll_connect(self, block_s: float = 0.0) -> None:
+        import ray
+
+        if self._connecting is None:
+            if time.monotonic() - self._last_try < self.RETRY_S:
+                return
+            self._start_connect()
+        ready, _ = ray.wait([self._connecting], timeout=block_s)
+        if not ready:
+            return
+        ref, self._connecting = self._connecting, None
+        try:
+            info = roles.DrafterInfo.FromString(ray.get(ref))
+            same_host = info.node_id == self.node_id
+            if self.transport == "shm" or (self.transport == "auto" and same_host):
+                channel = ShmChannel(info.address, info.authkey, self.timeout_s)
+            else:
+                channel = ObjectStoreChannel(self.handle, self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - still restarting, or gone: try again later
+            log.warning(
+                "drafter: connect failed (%s); decoding plainly meanwhile", exc.__class__.__name__
+            )
+            self._last_try = time.monotonic()
+            return
+        self.channel, self.info = channel, info
+        self.generation += 1
+        if self.generation > 1:
+            self.stats["reconnects"] += 1
+            log.info(
+                "drafter: reconnected (pid %d, %s); speculation resumes", info.pid, channel.kind
+            )
+
+    def _broken(self, exc: Exception) -> DraftUnavailable:
+        log.warning("drafter: %s; decoding plainly until it is back", exc)
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = None
+        self.stats["failures"] += 1
+        self._start_connect()
+        return DraftUnavailable(str(exc))
+
+    def _channel(self):
+        if self.channel is None:
+            self._poll_connect()
+            if self.channel is None:
+                raise DraftUnavailable("the drafter is restarting")
+        return self.channel
+
+    def _call(self, req: roles.DraftRequest, arrays: list[mx.array]):
+        """One request; returns (hidden or None, seconds outside the drafter's compute, bytes)."""
+        channel = self._channel()
+        mx.eval(arrays)  # the taps/embeddings' own compute is not transport (inline does it too)
+        t0 = time.perf_counter()
+        try:
+            reply, hidden, moved = channel.call(req, arrays)
+        except ChannelBroken as exc:
+            raise self._broken(exc) from None
+        if reply.not_open or reply.error:
+            raise DraftUnavailable(reply.error or "sequence not open on the drafter")
+        overhead = max(0.0, time.perf_counter() - t0 - reply.compute_ms / 1000.0)
+        return hidden, overhead, moved + req.ByteSize() + reply.ByteSize()
+
+    # ---- DraftPeer ---------------------------------------------------------------------------
+    def open(self, seq_id: str) -> None:
+        self._call(roles.DraftRequest(open=roles.DraftOpen(seq_id=seq_id)), [])
+        self.sessions[seq_id] = self.generation
+        if self.replay.get(seq_id):
+            self.needs_replay.add(seq_id)  # a fresh session: send the context seen so far again
+        self.replay.setdefault(seq_id, [])
+        self.replay.move_to_end(seq_id)
+        while len(self.replay) > self.MAX_REPLAY_SEQS:
+            self.replay.popitem(last=False)
+
+    def draft(
+        self, seq_id: str, new_taps: mx.array | None, block_embeds: mx.array, start: int
+    ) -> mx.array:
+        """new_taps [C, n_taps*H], block_embeds [L, H] -> hidden [L-1, H]."""
+        if self.sessions.get(seq_id) != self.generation or self.channel is None:
+            self.open(seq_id)  # the drafter restarted since: a fresh session, context replayed
+        send = new_taps
+        if seq_id in self.needs_replay:
+            history = self.replay.get(seq_id, [])
+            send = mx.concatenate(history + ([new_taps] if new_taps is not None else []))
+        arrays = [send, block_embeds] if send is not None else [block_embeds]
+        call = roles.DraftCall(seq_id=seq_id, start=int(start))
+        hidden, overhead, moved = self._call(roles.DraftRequest(draft=call), arrays)
+        self.stats["calls"] += 1
+        self.stats["transport_s"] += overhead
+        self.stats["bytes"] += moved
+        self.needs_replay.discard(seq_id)
+        if new_taps is not None and self.replay_rows > 0:
+            self._remember(seq_id, new_taps)
+        return hidden
+
+    def close(self, seq_id: str) -> None:
+        self.replay.pop(seq_id, None)
+        self.needs_replay.discard(seq_id)
+        if self.sessions.pop(seq_id, None) == self.generation and self.channel is not None:
+            try:
+                self._call(roles.DraftRequest(close=roles.DraftClose(seq_id=seq_id)), [])
+            except DraftUnavailable:
+                pass
+
+    def _remember(self, seq_id: str, taps: mx.array) -> None:
+        history = self.replay.setdefault(seq_id, [])
+        history.append(taps)
+        rows = sum(t.shape[0] for t in history)
+        if rows > self.replay_rows:
+            self.replay[seq_id] = [mx.concatenate(history)[-self.replay_rows :]]
+
+    def summary(self) -> dict:
+        calls = max(1, self.stats["calls"])
+        return {
+            "available": self.available,
+            "transport": self.kind,
+            "draft_calls": self.stats["calls"],
+            "transport_ms_per_call": 1000.0 * self.stats["transport_s"] / calls,
+            "bytes_per_call": self.stats["bytes"] / calls,
+            "reconnects": self.stats["reconnects"],
+        }

@@ -1,0 +1,118 @@
+"""`sanctum bench isolation`: the cost of splitting the roles into processes.
+
+The same greedy requests run on the inline backend (roles as objects in this process) and on
+the actor cluster, alternating, in one run; both without the prompt cache so they do the same
+work. Reports tok/s of each, the tax (1 - cluster/inline), and the drafter channel's cost per
+round (round trip minus the drafter's compute, and bytes moved both ways) from the verifier's
+counters. `--round-delay-ms` adds a sleep to every round in BOTH modes (the scheduler's knob) to
+emulate a slower target: the transport cost stays, the round grows.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+DEFAULT_PROMPTS = (
+    "def fibonacci(n):",
+    "import os\nimport sys\n\ndef main():",
+    "class Stack:\n    def __init__(self):",
+    "The quick brown fox",
+)
+
+
+def add_parser(bsub, add_model_flags) -> None:
+    p = bsub.add_parser(
+        "isolation", help="actor cluster vs inline: tok/s, tax, transport per round"
+    )
+    add_model_flags(p)
+    p.add_argument(
+        "--prompt", action="append", dest="prompts", help="repeatable (default: 4 fixed)"
+    )
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--round-delay-ms",
+        type=float,
+        default=0.0,
+        help="sleep added to every round in both modes (emulates a slower target)",
+    )
+    p.add_argument("--transport", choices=("auto", "shm", "object_store"), default="auto")
+    p.add_argument("--json", action="store_true")
+
+
+def _run(backend, prompt: str, max_tokens: int):
+    from ..requests import GenerateRequest
+
+    t0 = time.perf_counter()
+    chunks = list(
+        backend.submit(GenerateRequest(prompt=prompt, max_tokens=max_tokens, use_cache=False))
+    )
+    elapsed = time.perf_counter() - t0
+    return [t for c in chunks for t in c.token_ids], chunks[-1].usage.rounds, elapsed
+
+
+def run(args) -> dict:
+    import ray
+
+    from .actors import start_cluster
+    from .backend import InlineBackend, serve_settings
+
+    settings = serve_settings(args.model, args.drafter, args.block_size, args.bits, args.kv,
+                              cache_dir="none", transport=args.transport,
+                              round_delay_ms=args.round_delay_ms)  # fmt: skip
+    prompts = args.prompts or list(DEFAULT_PROMPTS)
+    inline = InlineBackend(settings)
+    inline.ready()
+    ray.init(namespace=f"sanctum-bench-{os.getpid()}", include_dashboard=False, log_to_driver=False)
+    try:
+        cluster = start_cluster(settings)
+        cluster.ready(600)
+        for backend in (inline, cluster):  # warm-up: compiled kernels, first-call costs
+            for prompt in prompts:
+                _run(backend, prompt, 16)
+        before = cluster.stats()
+        totals = {"inline": [0, 0, 0.0], "cluster": [0, 0, 0.0]}  # tokens, rounds, seconds
+        identical = True
+        for rep in range(args.repeats):
+            for prompt in prompts:
+                order = (("inline", inline), ("cluster", cluster))
+                outs = {}
+                for name, backend in order if rep % 2 == 0 else order[::-1]:
+                    tokens, rounds, elapsed = _run(backend, prompt, args.max_tokens)
+                    outs[name] = tokens
+                    totals[name][0] += len(tokens)
+                    totals[name][1] += rounds
+                    totals[name][2] += elapsed
+                identical &= outs["inline"] == outs["cluster"]
+        after = cluster.stats()
+        cluster.close()
+    finally:
+        ray.shutdown()
+        inline.close()
+    calls = after.draft_calls - before.draft_calls
+    ms = (
+        after.transport_ms_per_round * after.draft_calls
+        - before.transport_ms_per_round * before.draft_calls
+    )
+    nbytes = (after.transport_bytes_per_round * after.draft_calls
+              - before.transport_bytes_per_round * before.draft_calls)  # fmt: skip
+    tok_s = {k: v[0] / v[2] for k, v in totals.items()}
+    return {
+        "model": settings.engine.model,
+        "drafter": settings.engine.drafter,
+        "transport": after.transport,
+        "prompts": len(prompts),
+        "repeats": args.repeats,
+        "max_tokens": args.max_tokens,
+        "round_delay_ms": args.round_delay_ms,
+        "inline_tok_s": round(tok_s["inline"], 2),
+        "cluster_tok_s": round(tok_s["cluster"], 2),
+        "isolation_tax_pct": round(100.0 * (1.0 - tok_s["cluster"] / tok_s["inline"]), 2),
+        "inline_round_ms": round(1000.0 * totals["inline"][2] / max(1, totals["inline"][1]), 3),
+        "cluster_round_ms": round(1000.0 * totals["cluster"][2] / max(1, totals["cluster"][1]), 3),
+        "draft_calls": calls,
+        "transport_ms_per_round": round(ms / max(1, calls), 4),
+        "transport_bytes_per_round": round(nbytes / max(1, calls)),
+        "greedy_outputs_identical": identical,
+    }

@@ -1,0 +1,262 @@
+"""Interleaving requests on one verifier: one worker thread owns MLX and runs one round of each
+open request in turn; request handlers only enqueue and read their own ticket (as mlx-lm's
+server does). The same scheduler runs inline (in the serving process) and inside the verifier
+actor. Ray-free and gRPC-free.
+
+Contract: `submit` returns a `Ticket` at once (or raises `QueueFull` / `Unavailable`); the
+ticket yields the request's chunks in order (the first from prefill, then one per round) and
+ends, or raises the request's error (`InvalidRequest`, ...). `cancel` (or a passed deadline)
+stops the request before its next round and frees its sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..requests import Chunk, GenerateRequest, InvalidRequest
+
+log = logging.getLogger("sanctum.scheduler")
+
+
+class QueueFull(RuntimeError):
+    """Too many requests waiting (gRPC RESOURCE_EXHAUSTED)."""
+
+
+class Unavailable(RuntimeError):
+    """The server cannot take or finish the request now: draining, or a role died
+    (gRPC UNAVAILABLE; the client may retry)."""
+
+
+class InternalError(RuntimeError):
+    """A request failed inside the engine; other requests are unaffected."""
+
+
+class End:
+    """Ticket item: the request is over (compare with isinstance: survives pickling)."""
+
+
+END = End()
+
+
+@dataclass
+class Ticket:
+    """One request's output queue, written by the worker thread, read by its handler."""
+
+    request: GenerateRequest
+    mode: str = "streaming"
+    deadline: float | None = None  # time.time() after which the request stops
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    items: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def expired(self) -> bool:
+        return self.cancelled.is_set() or (
+            self.deadline is not None and time.time() > self.deadline
+        )
+
+    def next_batch(self, timeout: float | None = None) -> list:
+        """Block for one item, then take whatever else is ready (Chunk | Exception | END)."""
+        out = [self.items.get(timeout=timeout)]
+        while not isinstance(out[-1], (End, BaseException)):
+            try:
+                out.append(self.items.get_nowait())
+            except queue.Empty:
+                break
+        return out
+
+    def __iter__(self):
+        while True:
+            item = self.items.get()
+            if isinstance(item, End):
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class Scheduler:
+    """Round-robin over up to `max_active` open requests; up to `max_queue` more wait.
+    `load()` builds the verifier ON the worker thread: MLX streams belong to the thread that
+    created them, so the thread that loads the models is the one that runs them."""
+
+    def __init__(self, load, max_active: int = 8, max_queue: int = 64, round_delay_s: float = 0.0):
+        self.verifier = None
+        self._ready = threading.Event()
+        self._parked = threading.Event()
+        self._load_error: BaseException | None = None
+        self.max_active, self.max_queue = max(1, max_active), max(0, max_queue)
+        self.round_delay_s = round_delay_s  # emulates a slower target in benchmarks only
+        self._cv = threading.Condition()
+        self._waiting: deque[Ticket] = deque()
+        self._active: dict[str, tuple[object, Ticket]] = {}
+        self._tickets: dict[str, Ticket] = {}
+        self._accepting = True
+        self._stopped = False
+        self.counters = {"cancelled": 0, "rejected": 0, "failed": 0, "finished": 0}
+        self._thread = threading.Thread(
+            target=self._run, args=(load,), name="sanctum-mlx", daemon=True
+        )
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the verifier is loaded; raises if loading failed."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the models did not load in time")
+        if self._load_error is not None:
+            raise RuntimeError(
+                f"loading the models failed: {self._load_error}"
+            ) from self._load_error
+
+    # ---- handler side ------------------------------------------------------------------------
+    def submit(
+        self, req: GenerateRequest, mode: str = "streaming", deadline: float | None = None
+    ) -> Ticket:
+        ticket = Ticket(req, mode, deadline)
+        with self._cv:
+            if not self._accepting:
+                raise Unavailable("the server is draining; no new requests")
+            if req.request_id in self._tickets:
+                raise InvalidRequest("request_id", f"{req.request_id!r} is already in use")
+            if len(self._waiting) + len(self._active) >= self.max_active + self.max_queue:
+                self.counters["rejected"] += 1
+                raise QueueFull(f"queue full: {len(self._active)} requests decoding and "
+                                f"{len(self._waiting)} waiting")  # fmt: skip
+            self._waiting.append(ticket)
+            self._tickets[req.request_id] = ticket
+            self._cv.notify()
+        return ticket
+
+    def cancel(self, request_id: str) -> bool:
+        with self._cv:
+            ticket = self._tickets.get(request_id)
+            if ticket is None:
+                return False
+            ticket.cancel()
+            self._cv.notify()
+            return True
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {"active": len(self._active), "waiting": len(self._waiting), **self.counters}
+
+    def stop_accepting(self) -> None:
+        with self._cv:
+            self._accepting = False
+
+    def idle(self) -> bool:
+        with self._cv:
+            return not self._active and not self._waiting
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Cancel everything; the worker thread closes the open requests, then parks."""
+        with self._cv:
+            self._accepting = False
+            for t in self._tickets.values():
+                t.cancel()
+            self._stopped = True
+            self._cv.notify()
+        if self._ready.is_set() and self._load_error is None:
+            self._parked.wait(timeout)
+
+    # ---- worker side -------------------------------------------------------------------------
+    def _run(self, load) -> None:
+        try:
+            self.verifier = load()
+        except BaseException as exc:  # noqa: BLE001 - reported by wait_ready
+            self._load_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and not self._waiting and not self._active:
+                    self._cv.wait()
+                if self._stopped and not self._active and not self._waiting:
+                    # parked, not ended: with mlx 0.32 (Linux) the process aborts at exit
+                    # ("terminate called without an active exception") when the MLX thread
+                    # has exited, or is still running, as the interpreter finalizes
+                    self._parked.set()
+                    self._cv.wait_for(lambda: False)
+                admit = []
+                while self._waiting and len(self._active) + len(admit) < self.max_active:
+                    admit.append(self._waiting.popleft())
+            for ticket in admit:
+                self._open(ticket)
+            for request_id in list(self._active):
+                self._reap_cancelled()
+                if request_id in self._active:
+                    self._round(request_id)
+
+    def _finish(self, request_id: str, ticket: Ticket, item=END) -> None:
+        with self._cv:
+            self._active.pop(request_id, None)
+            self._tickets.pop(request_id, None)
+        ticket.items.put(item)
+
+    def _reap_cancelled(self) -> None:
+        """Close every request that was cancelled or ran out of time: no further round."""
+        for request_id, (act, ticket) in list(self._active.items()):
+            if ticket.expired():
+                self._close(act)
+                self.counters["cancelled"] += 1
+                self._finish(request_id, ticket)
+
+    def _close(self, act, save: bool = True) -> None:
+        try:
+            self.verifier.close(act, save=save)
+        except Exception:
+            log.exception("closing request %s failed", act.req.request_id)
+
+    def _open(self, ticket: Ticket) -> None:
+        rid = ticket.request_id
+        if ticket.expired():
+            self.counters["cancelled"] += 1
+            return self._finish(rid, ticket)
+        try:
+            act, chunk = self.verifier.open(ticket.request, ticket.mode)
+        except InvalidRequest as exc:
+            return self._finish(rid, ticket, exc)
+        except Exception as exc:
+            log.exception("request %s failed at open", rid)
+            self.counters["failed"] += 1
+            return self._finish(rid, ticket, InternalError(f"{exc.__class__.__name__}: {exc}"))
+        ticket.items.put(chunk)
+        if act.finished:
+            self._close(act)
+            self.counters["finished"] += 1
+            return self._finish(rid, ticket)
+        with self._cv:
+            self._active[rid] = (act, ticket)
+
+    def _round(self, request_id: str) -> None:
+        act, ticket = self._active[request_id]
+        try:
+            chunk: Chunk = self.verifier.step(act)
+        except Exception as exc:
+            log.exception("request %s failed in a round", request_id)
+            self._close(act, save=False)
+            self.counters["failed"] += 1
+            return self._finish(
+                request_id, ticket, InternalError(f"{exc.__class__.__name__}: {exc}")
+            )
+        if self.round_delay_s:
+            time.sleep(self.round_delay_s)
+        ticket.items.put(chunk)
+        if act.finished:
+            self._close(act)
+            self.counters["finished"] += 1
+            self._finish(request_id, ticket)

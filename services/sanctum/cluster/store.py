@@ -1,0 +1,183 @@
+"""The ladder-store role, and the verifier's proxy to it.
+
+The store actor owns a `PromptStore` (persisted in a directory, so a restarted actor reloads
+its entries). Bulk cache transfers (KV prefixes, rungs, taps) cross processes as a flat list
+of numpy arrays through the Ray object store, described by a `TensorLayout` header
+(roles.proto); MLX arrays never get pickled and bfloat16 travels as its uint16 bits.
+
+`StoreProxy` gives the verifier the store interface it expects (`plan`, `put`). When the actor
+is down, `plan` fails fast (the verifier then serves uncached) and a background ping notices
+when it is back; `put` is fire-and-forget (a lost save costs a future cache hit, nothing else).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from ..api.gen import inference_pb2 as pb
+from ..api.gen import roles_pb2 as roles
+from ..cache.store import CacheEntry, PromptStore, ResumePlan
+from .transport import dtype_name, from_numpy, to_numpy
+
+log = logging.getLogger("sanctum.store")
+
+
+class StoreUnavailable(RuntimeError):
+    """The ladder store is restarting or unreachable: serve uncached."""
+
+
+# ---- layout ------------------------------------------------------------------------------
+
+
+def flatten(kv: list[tuple], rungs: dict, taps) -> tuple[roles.TensorLayout, list[mx.array]]:
+    """KV layers, rungs (ascending position, (conv, state) per GDN layer), taps -> flat list."""
+    arrays = [a for layer in kv for a in layer]
+    positions = sorted(rungs)
+    for p in positions:
+        arrays.extend(x for pair in rungs[p] for x in pair)
+    if taps is not None:
+        arrays.append(taps)
+    layout = roles.TensorLayout(
+        kv_layers=[len(layer) for layer in kv],
+        rungs=positions,
+        gdn_layers=len(rungs[positions[0]]) if positions else 0,
+        has_taps=taps is not None,
+        dtypes=[dtype_name(a.dtype) for a in arrays],
+    )
+    return layout, arrays
+
+
+def unflatten(layout: roles.TensorLayout, arrays: list[np.ndarray]):
+    """The inverse of `flatten`, as MLX arrays: (kv, rungs, taps)."""
+    xs = iter(from_numpy(x, d) for x, d in zip(arrays, layout.dtypes))
+    kv = [tuple(next(xs) for _ in range(n)) for n in layout.kv_layers]
+    rungs = {int(p): [(next(xs), next(xs)) for _ in range(layout.gdn_layers)] for p in layout.rungs}
+    taps = next(xs) if layout.has_taps else None
+    return kv, rungs, taps
+
+
+def _host(arrays: list[mx.array]) -> list[np.ndarray]:
+    mx.eval(arrays)
+    return [np.array(to_numpy(a)) for a in arrays]  # own copies: the object store takes them
+
+
+# ---- the store side ------------------------------------------------------------------------
+
+
+class StoreService:
+    """A PromptStore behind the wire contracts (what the store actor runs; Ray-free)."""
+
+    def __init__(self, store: PromptStore):
+        self.store = store
+
+    def plan(self, query: bytes) -> tuple[bytes, list[np.ndarray]]:
+        q = roles.PlanQuery.FromString(query)
+        plan = self.store.plan(q.model_key, np.asarray(q.prompt_ids, dtype=np.int32))
+        layout, arrays = flatten(plan.kv, plan.rungs, plan.taps)
+        header = roles.ResumePlanHeader(requested_lcp=plan.requested_lcp, resumed_at=plan.resumed_at,
+                                        entry_id=plan.entry_id or "", layout=layout)  # fmt: skip
+        return header.SerializeToString(), _host(arrays)
+
+    def put(self, header: bytes, arrays: list[np.ndarray]) -> str:
+        h = roles.EntryHeader.FromString(header)
+        kv, rungs, taps = unflatten(h.layout, arrays)
+        entry = CacheEntry(h.model_key, h.kv_mode, np.asarray(h.tokens, dtype=np.int32), kv, rungs,
+                           taps, created=h.created or time.time())  # fmt: skip
+        return self.store.put(entry) or ""
+
+    def list(self, model_key: str = "") -> bytes:
+        entries = self.store.entries(model_key or None)
+        out = pb.ListCacheResponse()
+        for e in entries:
+            out.entries.add(entry_id=e.entry_id, model_key=e.model_key, kv_mode=e.kv_mode,
+                            num_tokens=len(e.tokens), rungs=sorted(e.rungs), nbytes=e.nbytes,
+                            created=e.created)  # fmt: skip
+        return out.SerializeToString()
+
+    def clear(self, model_key: str = "") -> int:
+        return self.store.clear(model_key or None)
+
+    def stats(self) -> bytes:
+        return cache_stats(self.store).SerializeToString()
+
+
+def cache_stats(store: PromptStore | None) -> pb.CacheStats:
+    if store is None:
+        return pb.CacheStats(available=False)
+    s = store.stats
+    return pb.CacheStats(entries=len(store), bytes=store.nbytes, max_bytes=store.max_bytes,
+                         lookups=s["lookups"], hits=s["hits"], evictions=s["evictions"],
+                         available=True, directory=str(store.directory or ""))  # fmt: skip
+
+
+# ---- the verifier side ---------------------------------------------------------------------
+
+
+class StoreProxy:
+    """`plan` / `put` against the store actor; fails fast while it is away."""
+
+    def __init__(self, handle, timeout_s: float = 2.0):
+        self.handle = handle
+        self.timeout_s = timeout_s
+        self._probe = None  # ObjectRef of a ping while the store is considered down
+
+    @property
+    def available(self) -> bool:
+        self._check()
+        return self._probe is None
+
+    def _check(self) -> None:
+        import ray
+
+        if self._probe is None:
+            return
+        ready, _ = ray.wait([self._probe], timeout=0)
+        if not ready:
+            return
+        try:
+            ray.get(self._probe)
+            self._probe = None
+            log.info("ladder store: back; serving cached again")
+        except Exception:  # noqa: BLE001 - still gone: keep probing
+            self._probe = self.handle.ping.remote()
+
+    def _down(self, exc: Exception) -> StoreUnavailable:
+        log.warning("ladder store unavailable (%s); serving uncached until it is back",
+                    exc.__class__.__name__)  # fmt: skip
+        if self._probe is None:
+            self._probe = self.handle.ping.remote()
+        return StoreUnavailable(str(exc))
+
+    def plan(self, model_key: str, prompt_ids) -> ResumePlan:
+        import ray
+
+        self._check()
+        if self._probe is not None:
+            raise StoreUnavailable("the ladder store is restarting")
+        query = roles.PlanQuery(model_key=model_key, prompt_ids=[int(t) for t in prompt_ids])
+        try:
+            header, arrays = ray.get(self.handle.plan.remote(query.SerializeToString()),
+                                     timeout=self.timeout_s)  # fmt: skip
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            raise self._down(exc) from None
+        h = roles.ResumePlanHeader.FromString(header)
+        if not h.resumed_at:
+            return ResumePlan(h.requested_lcp, 0)
+        kv, rungs, taps = unflatten(h.layout, arrays)
+        return ResumePlan(h.requested_lcp, h.resumed_at, h.entry_id or None, kv, rungs, taps)
+
+    def put(self, entry: CacheEntry) -> None:
+        import ray
+
+        self._check()
+        if self._probe is not None:
+            return  # the store is away: this entry is not saved
+        layout, arrays = flatten(entry.kv, entry.rungs, entry.taps)
+        header = roles.EntryHeader(model_key=entry.model_key, kv_mode=entry.kv_mode,
+                                   tokens=entry.tokens.tolist(), layout=layout,
+                                   created=entry.created)  # fmt: skip
+        self.handle.put.remote(header.SerializeToString(), ray.put(_host(arrays)))
