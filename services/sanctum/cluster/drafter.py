@@ -20,6 +20,7 @@ the actor has restarted, and replays each open sequence's context so speculation
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 
@@ -96,6 +97,7 @@ class RemoteDraftPeer:
         self.needs_replay: set[str] = set()
         self.stats = {"calls": 0, "transport_s": 0.0, "bytes": 0, "reconnects": 0, "failures": 0}
         self.info: roles.DrafterInfo | None = None
+        self._lock = threading.Lock()
         self._start_connect()
         if connect_timeout_s:
             self._poll_connect(block_s=connect_timeout_s)
@@ -103,6 +105,9 @@ class RemoteDraftPeer:
     # ---- connection ------------------------------------------------------------------------
     @property
     def available(self) -> bool:
+        """True when a channel is up (looks for a restarted drafter without waiting)."""
+        if self.channel is None:
+            self._poll_connect()
         return self.channel is not None
 
     @property
@@ -114,8 +119,14 @@ class RemoteDraftPeer:
         self._last_try = time.monotonic()
 
     def _poll_connect(self, block_s: float = 0.0) -> None:
+        with self._lock:  # the decode thread and a stats call may both look
+            self._poll_connect_locked(block_s)
+
+    def _poll_connect_locked(self, block_s: float) -> None:
         import ray
 
+        if self.channel is not None:
+            return
         if self._connecting is None:
             if time.monotonic() - self._last_try < self.RETRY_S:
                 return
@@ -147,11 +158,12 @@ class RemoteDraftPeer:
 
     def _broken(self, exc: Exception) -> DraftUnavailable:
         log.warning("drafter: %s; decoding plainly until it is back", exc)
-        if self.channel is not None:
-            self.channel.close()
-        self.channel = None
-        self.stats["failures"] += 1
-        self._start_connect()
+        with self._lock:
+            if self.channel is not None:
+                self.channel.close()
+            self.channel = None
+            self.stats["failures"] += 1
+            self._start_connect()
         return DraftUnavailable(str(exc))
 
     def _channel(self):

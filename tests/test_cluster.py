@@ -1,0 +1,354 @@
+"""The cluster's parts: wire formats, the shared-memory drafter channel, the store's layout,
+the scheduler (Ray-free, fast), then with a real local Ray cluster behind a real gRPC server:
+both drafter transports give the engine's greedy output, and each role's death has the stated
+outcome (drafter: plain decoding, same output, speculation resumes; store: uncached, then
+reloaded from disk; verifier: UNAVAILABLE in flight, then new requests succeed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from sanctum.api.gen import roles_pb2 as roles
+from sanctum.cluster.transport import Slot, dtype_name, from_numpy, to_numpy
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def pair(make_pair):
+    return tuple(str(p) for p in make_pair("hybrid", "dflash"))
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    """Target + full drafter in this process, and greedy references from the inline engine."""
+    from sanctum.engine.drafter import load_drafter
+    from sanctum.engine.speculative import generate
+    from sanctum.engine.target import load_target
+
+    target = load_target(pair[0])
+    drafter = load_drafter(pair[1], target)
+
+    def reference(prompt, max_tokens=24):
+        ids = target.tokenizer.encode(prompt, add_special_tokens=False)
+        steps = generate(target, ids, drafter=drafter, max_tokens=max_tokens)
+        return [t for s in steps for t in s.tokens]
+
+    return target, drafter, reference
+
+
+def wait_for(predicate, timeout=10.0, interval=0.1):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with contextlib.suppress(Exception):  # a role may be restarting
+            if predicate():
+                return True
+        time.sleep(interval)
+    return predicate()
+
+
+# ---- wire formats and the channel (no Ray) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_numpy_roundtrip_keeps_bits(dtype):
+    a = (mx.random.normal((3, 5)) * 100).astype(dtype)
+    b = from_numpy(to_numpy(a), dtype_name(a.dtype))
+    assert b.dtype == dtype and mx.array_equal(a, b).item()
+
+
+def test_slot_name_fits_macos_and_roundtrips():
+    slot = Slot(10)
+    try:
+        assert len(slot.name) + 1 <= 31 and slot.size >= 10  # "/name" within PSHMNAMLEN
+        arrays = [
+            mx.arange(7).astype(mx.float32),
+            mx.ones((2, 3), mx.bfloat16),
+            mx.zeros((1,), mx.float16),
+        ]
+        refs = slot.write(arrays)
+        assert all(r.offset % 64 == 0 for r in refs)
+        peer = Slot(name=slot.name)  # another process would attach like this
+        for a, r in zip(arrays, refs):
+            assert mx.array_equal(peer.read(r), a).item()
+        peer.close()
+    finally:
+        slot.close()
+
+
+def test_socket_channel_roundtrip_growth_and_disconnect():
+    from multiprocessing import AuthenticationError
+
+    from sanctum.cluster.transport import ShmChannel, SocketServer
+
+    gone = threading.Event()
+
+    def handle(client, req, read):
+        call = req.draft
+        taps = read(call.new_taps) if call.HasField("new_taps") else None
+        embeds = read(call.block_embeds)
+        extra = taps.sum() if taps is not None else 0
+        return roles.DraftReply(compute_ms=1.0), embeds[1:] * 2 + extra
+
+    server = SocketServer(lambda: handle, on_disconnect=lambda client: gone.set())
+    server.wait_ready(10)
+    ch = ShmChannel(server.address, server.authkey, timeout_s=10)
+    try:
+        embeds = mx.arange(8 * 16, dtype=mx.float32).reshape(8, 16)
+        req = roles.DraftRequest(draft=roles.DraftCall(seq_id="s", start=3))
+        _, hidden, moved = ch.call(req, [embeds])
+        assert (
+            mx.array_equal(hidden, embeds[1:] * 2).item() and moved == embeds.nbytes + hidden.nbytes
+        )
+        taps = mx.ones((1024, 1024), mx.float32)  # 4 MiB: the 1 MiB slot grows
+        req = roles.DraftRequest(draft=roles.DraftCall(seq_id="s", start=1030))
+        _, hidden, _ = ch.call(req, [taps, embeds])
+        assert (
+            ch.slot.size >= taps.nbytes and mx.allclose(hidden, embeds[1:] * 2 + 1024 * 1024).item()
+        )
+        with pytest.raises(AuthenticationError):  # a wrong key gets nothing
+            ShmChannel(server.address, b"wrong" * 7)
+        assert mx.array_equal(ch.call(req, [taps, embeds])[1], hidden).item()  # still serving
+    finally:
+        ch.close()
+        assert gone.wait(5)
+        server.close()
+
+
+def test_draft_service_equals_local_peer(engine):
+    from sanctum.cluster.drafter import DraftService
+    from sanctum.engine.speculative import LocalDraftPeer
+
+    target, drafter, _ = engine
+    service, local = DraftService(drafter), LocalDraftPeer(drafter)
+    width = len(drafter.cfg.target_layer_ids) * target.hidden_size
+    taps = mx.random.normal((5, width))
+    embeds = target.embed_tokens(mx.array([3, 4, 4, 4, 4, 4, 4, 4]))
+    local.open("a")
+    want = local.draft("a", taps, embeds, 5)
+    service.handle("c1", roles.DraftRequest(open=roles.DraftOpen(seq_id="a")), None)
+    arrays = {1: taps, 2: embeds}
+    call = roles.DraftCall(seq_id="a", start=5, new_taps=roles.TensorRef(offset=1),
+                           block_embeds=roles.TensorRef(offset=2))  # fmt: skip
+    reply, got = service.handle("c1", roles.DraftRequest(draft=call), lambda r: arrays[r.offset])
+    assert not reply.error and mx.allclose(got, want, atol=1e-5).item()
+    reply, _ = service.handle("c2", roles.DraftRequest(draft=call), lambda r: arrays[r.offset])
+    assert reply.not_open  # sessions belong to their client
+    service.drop_client("c1")
+    assert service.num_sessions == 0
+
+
+def test_store_layout_and_service_roundtrip(tmp_path):
+    from sanctum.cache.store import CacheEntry, PromptStore
+    from sanctum.cluster.store import StoreService, flatten, unflatten
+
+    T = 10
+    kv = [
+        (mx.random.normal((1, 2, T, 64)), mx.random.normal((1, 2, T, 64))),
+        (mx.zeros((1, 2, T, 16), mx.uint32), mx.ones((1, 2, T, 1), mx.bfloat16),
+         mx.ones((1, 2, T, 1), mx.bfloat16), mx.zeros((1, 2, T, 16), mx.uint32),
+         mx.ones((1, 2, T, 1), mx.bfloat16), mx.ones((1, 2, T, 1), mx.bfloat16)),
+    ]  # fmt: skip
+    rung = lambda: [
+        (mx.random.normal((1, 3, 32)).astype(mx.bfloat16), mx.random.normal((1, 4, 8, 8)))
+    ]
+    rungs = {5: rung(), 10: rung()}
+    taps = mx.random.normal((T, 24))
+    layout, arrays = flatten(kv, rungs, taps)
+    kv2, rungs2, taps2 = unflatten(layout, [np.array(to_numpy(a)) for a in arrays])
+    flat = lambda k, r, t: (
+        [a for layer in k for a in layer] + [x for p in sorted(r) for s in r[p] for x in s] + [t]
+    )
+    assert all(mx.array_equal(a, b).item() and a.dtype == b.dtype for a, b in
+               zip(flat(kv, rungs, taps), flat(kv2, rungs2, taps2)))  # fmt: skip
+
+    store = PromptStore(1 << 30, tmp_path)
+    service = StoreService(store)
+    tokens = np.arange(1, T + 1, dtype=np.int32)
+    entry = CacheEntry("m|fp16", "fp16", tokens, kv[:1], rungs, taps)
+    header = roles.EntryHeader(model_key=entry.model_key, kv_mode="fp16", tokens=tokens.tolist(),
+                               layout=flatten(entry.kv, entry.rungs, entry.taps)[0])  # fmt: skip
+    assert service.put(
+        header.SerializeToString(), [np.array(to_numpy(a)) for a in flatten(kv[:1], rungs, taps)[1]]
+    )
+    query = roles.PlanQuery(model_key="m|fp16", prompt_ids=[*tokens[:8].tolist(), 99])
+    raw_header, raw = service.plan(query.SerializeToString())
+    h = roles.ResumePlanHeader.FromString(raw_header)
+    assert (h.requested_lcp, h.resumed_at) == (8, 5)
+    kv3, rungs3, taps3 = unflatten(h.layout, raw)
+    assert kv3[0][0].shape[-2] == 5 and sorted(rungs3) == [5] and taps3.shape[0] == 5
+    assert mx.array_equal(kv3[0][0], kv[0][0][..., :5, :]).item()
+    assert len(PromptStore(1 << 30, tmp_path)) == 1  # persisted: a restarted store reloads it
+
+
+# ---- the scheduler (inline backend, no Ray) -------------------------------------------------------
+
+
+def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
+    from sanctum.cluster.backend import InlineBackend, serve_settings
+    from sanctum.cluster.scheduler import QueueFull
+    from sanctum.requests import GenerateRequest, InvalidRequest
+
+    _, _, reference = engine
+    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
+                                           max_queue=1, env={}))  # fmt: skip
+    try:
+        backend.ready(60)
+        sched = backend.scheduler
+        events = []
+
+        def consume(name, ticket):
+            for i, chunk in enumerate(ticket):
+                events.append((name, i, tuple(chunk.token_ids)))
+
+        tickets = {p: sched.submit(GenerateRequest(prompt=p, max_tokens=20)) for p in PROMPTS[:2]}
+        threads = [threading.Thread(target=consume, args=item) for item in tickets.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for p in PROMPTS[:2]:
+            assert [t for name, _, toks in events if name == p for t in toks] == reference(p, 20)
+        order = [name for name, _, _ in events]
+        first_end = min(max(i for i, n in enumerate(order) if n == p) for p in PROMPTS[:2])
+        assert set(order[:first_end]) == set(PROMPTS[:2])  # both ran before either finished
+
+        long = [sched.submit(GenerateRequest(prompt=p, max_tokens=3000)) for p in PROMPTS[:3]]
+        with pytest.raises(QueueFull):
+            sched.submit(GenerateRequest(prompt=PROMPTS[3], max_tokens=4))
+        for t in long:
+            sched.cancel(t.request_id)
+        for t in long:
+            list(t)  # each ends at its next round (or before it opens)
+        assert wait_for(sched.idle, 10) and sched.stats()["cancelled"] == 3
+
+        timed = sched.submit(
+            GenerateRequest(prompt=PROMPTS[0], max_tokens=3000), deadline=time.time() + 0.5
+        )
+        assert 0 < len(list(timed)) < 3000
+        with pytest.raises(InvalidRequest):
+            list(sched.submit(GenerateRequest(prompt="", max_tokens=4)))
+    finally:
+        backend.close()
+
+
+# ---- a real Ray cluster behind gRPC: transports and faults -----------------------------------------
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster(pair, tmp_path_factory):
+    from sanctum.api.client import Client
+    from sanctum.api.server import Server
+    from sanctum.cluster.actors import start_cluster
+    from sanctum.cluster.backend import serve_settings
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             namespace=f"test-cluster-{os.getpid()}")  # fmt: skip
+    settings = serve_settings(
+        pair[0], pair[1], cache_dir=str(tmp_path_factory.mktemp("store")), env={}
+    )
+    backend = start_cluster(settings)
+    server = Server(backend, "127.0.0.1", 0, max_streams=16)
+    try:
+        server.ready(300)
+        with Client(server.address) as client:
+            yield backend, client
+    finally:
+        server.stop(0)
+        backend.close()
+        ray.shutdown()
+
+
+def _tokens(responses):
+    return [t for m in responses for t in m.token_ids]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "object_store"])
+def test_drafter_transports_give_the_engine_output(cluster, engine, pair, transport):
+    """The verifier role in this process, the drafter body in its actor, over each transport."""
+    from sanctum.cluster.drafter import RemoteDraftPeer
+    from sanctum.cluster.verifier import Verifier
+    from sanctum.engine.drafter import load_drafter
+    from sanctum.requests import GenerateRequest
+
+    backend, _ = cluster
+    target, _, reference = engine
+    head = load_drafter(pair[1], target, parts="head")
+    assert head.body is None  # no second copy of the drafter body (nor of any vocab weights)
+    node = ray.get_runtime_context().get_node_id()
+    peer = RemoteDraftPeer(backend.drafter, node, transport)
+    verifier = Verifier(target, head, peer)
+    chunks = list(verifier.generate(GenerateRequest(prompt=PROMPTS[0], max_tokens=24)))
+    assert [t for c in chunks for t in c.token_ids] == reference(PROMPTS[0], 24)
+    s = peer.summary()
+    assert (
+        s["transport"] == transport
+        and s["draft_calls"] == len(chunks) - 1
+        and s["bytes_per_call"] > 0
+    )
+
+
+@pytest.mark.slow
+def test_drafter_dies_mid_request(cluster, engine):
+    backend, client = cluster
+    _, _, reference = engine
+    stream = client.generate(PROMPTS[1], max_tokens=120, use_cache=False, timeout=120)
+    head = [next(stream) for _ in range(4)]
+    assert all(m.drafted == 7 for m in head[1:])
+    ray.kill(backend.drafter, no_restart=False)
+    rest = list(stream)
+    assert _tokens(head + rest) == reference(PROMPTS[1], 120)  # same greedy output
+    assert any(m.drafted == 0 for m in rest)  # plain rounds while the drafter was away
+    assert wait_for(lambda: client.stats().drafter_available, timeout=90)
+    again = list(client.generate(PROMPTS[1], max_tokens=16, use_cache=False, timeout=60))
+    assert all(m.drafted == 7 for m in again[1:])  # speculation resumed
+    assert _tokens(again) == reference(PROMPTS[1], 16)
+
+
+@pytest.mark.slow
+def test_store_dies_then_reloads_its_entries(cluster, engine):
+    backend, client = cluster
+    _, _, reference = engine
+    prompt = "def saved_before_the_crash(a, b):\n    return a + b"
+    first = list(client.generate(prompt, max_tokens=12, timeout=60))
+    assert wait_for(lambda: any(len(e.rungs) for e in client.list_cache().entries), timeout=20)
+    os.kill(backend.pids()["store"], signal.SIGKILL)
+    during = list(client.generate(PROMPTS[2], max_tokens=12, timeout=60))  # still served
+    assert _tokens(during) == reference(PROMPTS[2], 12)
+    assert wait_for(lambda: client.stats().cache.available, timeout=90)
+    assert wait_for(lambda: client.stats().cache.entries >= 1, timeout=30)  # reloaded from disk
+    resumed = list(client.generate(prompt, max_tokens=12, timeout=60))
+    assert _tokens(resumed) == _tokens(first) == reference(prompt, 12)
+    assert resumed[-1].usage.cached_tokens > 0
+
+
+@pytest.mark.slow
+def test_verifier_dies_in_flight_then_serves_again(cluster, engine):
+    import grpc
+
+    backend, client = cluster
+    _, _, reference = engine
+    old = backend.pids()["verifier"]
+    stream = client.generate(PROMPTS[3], max_tokens=3000, timeout=120)
+    next(stream), next(stream)
+    os.kill(old, signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "verifier" in err.value.details() and "retry" in err.value.details()
+    client.wait_serving(180)
+    assert backend.pids()["verifier"] != old
+    assert _tokens(client.generate(PROMPTS[3], max_tokens=16, timeout=120)) == reference(
+        PROMPTS[3], 16
+    )
