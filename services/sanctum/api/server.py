@@ -240,8 +240,11 @@ def serve(settings, host: str, port: int, inline: bool = False, drain_timeout: f
             from ..cluster.actors import start_cluster
 
             address = os.environ.get("RAY_ADDRESS") or None
+            local = {}
+            if not address and os.environ.get("SANCTUM_OBJECT_STORE_BYTES"):
+                local["object_store_memory"] = int(os.environ["SANCTUM_OBJECT_STORE_BYTES"])
             ray.init(address=address, namespace="sanctum", include_dashboard=False,
-                     log_to_driver=True)  # fmt: skip
+                     log_to_driver=True, **local)  # fmt: skip
             ray_started = True
             backend = start_cluster(settings)
         server.attach(backend)

@@ -179,7 +179,10 @@ class VerifierActor:
 
         self.settings = settings
         node = ray.get_runtime_context().get_node_id()
-        self.store = StoreProxy(store) if store is not None else None
+        # a saved entry crosses the object store (2 GiB by default on macOS): cap what one ships
+        capacity = ray.cluster_resources().get("object_store_memory")
+        limit = int(capacity // 4) if capacity else None
+        self.store = StoreProxy(store, max_transfer_bytes=limit) if store is not None else None
         self.peer = None
 
         def remote_peer():

@@ -120,9 +120,10 @@ def cache_stats(store: PromptStore | None) -> pb.CacheStats:
 class StoreProxy:
     """`plan` / `put` against the store actor; fails fast while it is away."""
 
-    def __init__(self, handle, timeout_s: float = 2.0):
+    def __init__(self, handle, timeout_s: float = 2.0, max_transfer_bytes: int | None = None):
         self.handle = handle
         self.timeout_s = timeout_s
+        self.max_transfer_bytes = max_transfer_bytes  # bigger entries are not shipped
         self._probe = None  # ObjectRef of a ping while the store is considered down
 
     @property
@@ -176,6 +177,10 @@ class StoreProxy:
         self._check()
         if self._probe is not None:
             return  # the store is away: this entry is not saved
+        if self.max_transfer_bytes and entry.nbytes > self.max_transfer_bytes:
+            log.warning("prompt cache: entry of %d bytes exceeds the transfer limit %d (a quarter "
+                        "of the object store); not saved", entry.nbytes, self.max_transfer_bytes)  # fmt: skip
+            return
         layout, arrays = flatten(entry.kv, entry.rungs, entry.taps)
         header = roles.EntryHeader(model_key=entry.model_key, kv_mode=entry.kv_mode,
                                    tokens=entry.tokens.tolist(), layout=layout,
