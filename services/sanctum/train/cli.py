@@ -1,0 +1,208 @@
+"""`sanctum train tokenizer | corpus | target | drafter | plot`: the training commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _corpus_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", action="append", default=[], metavar="PATH",
+                   help="text files or folders (.txt .md .rst .py .jsonl); default: Python's stdlib")  # fmt: skip
+    p.add_argument(
+        "--no-chat", action="store_true", help="do not add function chats from .py files"
+    )
+
+
+def _loop_flags(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> None:
+    p.add_argument("--data", help="a token file from `sanctum train corpus` (instead of --corpus)")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int)
+    p.add_argument(
+        "--time-budget", type=float, help="seconds: fit the schedule into this wall time"
+    )
+    p.add_argument("--save-every", type=float, default=120.0, help="seconds between checkpoints")
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
+                   help="storage dtype of the written weights")  # fmt: skip
+    p.add_argument("--compile", action="store_true",
+                   help="mx.compile the train step (MLX CUDA: ~150 s to compile the target's step)")  # fmt: skip
+    p.add_argument("--no-compile", action="store_true", help="the default: do not mx.compile")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _load_corpus(args, tokenizer_dir: Path):
+    from .data import Corpus, build_corpus
+
+    if args.data:
+        return Corpus.load(args.data)
+    return build_corpus(tokenizer_dir, args.corpus or None, chat=not args.no_chat, seed=args.seed)
+
+
+def cmd_tokenizer(args) -> int:
+    from ..tokenizer import build_tokenizer
+    from .data import training_texts
+
+    out = build_tokenizer(
+        training_texts(args.corpus or None, chat=not args.no_chat), args.vocab_size, args.out
+    )
+    print(json.dumps({"tokenizer": str(out), "vocab_size": args.vocab_size}))
+    return 0
+
+
+def cmd_corpus(args) -> int:
+    from .data import build_corpus
+
+    corpus = build_corpus(
+        args.tokenizer, args.corpus or None, chat=not args.no_chat, seed=args.seed
+    )
+    corpus.save(args.out)
+    print(json.dumps({"out": args.out, **corpus.meta}))
+    return 0
+
+
+def cmd_target(args) -> int:
+    from .target import TargetShape, TargetTraining, train_target
+
+    tok = Path(args.tokenizer)
+    corpus = _load_corpus(args, tok)
+    shape = TargetShape(args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads,
+                        args.head_dim, args.gdn_key_heads, args.gdn_value_heads, args.gdn_head_dim)  # fmt: skip
+    settings = TargetTraining(
+        steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+        warmup=args.warmup if args.warmup is not None else max(1, args.steps // 20),
+        time_budget_s=args.time_budget, save_every_s=args.save_every, eval_every=args.eval_every,
+        log_every=args.log_every, dtype=args.dtype, compile=args.compile and not args.no_compile, seed=args.seed,
+    )  # fmt: skip
+    summary = train_target(
+        corpus, tok, args.out, shape, settings, log=lambda m: print(m, flush=True)
+    )
+    print(json.dumps({"target": args.out, **{k: v for k, v in summary.items() if k != "corpus"}}))
+    return 0
+
+
+def cmd_drafter(args) -> int:
+    from ..engine.target import load_target
+    from .drafter import DrafterShape, DrafterTraining, train_drafter
+    from .gdn import chunked_gdn
+
+    with chunked_gdn():
+        target = load_target(args.target)
+    corpus = _load_corpus(args, Path(target.path))
+    shape = DrafterShape(
+        layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        intermediate=args.intermediate, tap_ids=_ints(args.taps) if args.taps else None,
+        block_size=args.block_size, mask_token_id=args.mask_token_id,
+    )  # fmt: skip
+    settings = DrafterTraining(
+        steps=args.steps, batch=args.batch, seq_len=args.seq_len, rows_per_seq=args.rows_per_seq,
+        block_sizes=_ints(args.block_sizes), lr=args.lr,
+        warmup=args.warmup if args.warmup is not None else max(1, args.steps // 25),
+        distill=args.distill, regen=args.regen, regen_prompt=args.regen_prompt,
+        regen_batch=args.regen_batch, regen_frac=args.regen_frac, time_budget_s=args.time_budget,
+        save_every_s=args.save_every, eval_every=args.eval_every, log_every=args.log_every,
+        dtype=args.dtype, compile=args.compile and not args.no_compile, seed=args.seed,
+    )  # fmt: skip
+    summary = train_drafter(
+        target, corpus, args.out, shape, settings, log=lambda m: print(m, flush=True)
+    )
+    print(json.dumps({"drafter": args.out, **summary}))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from .loop import plot_losses
+
+    curves = {}
+    for run in args.runs:
+        log = json.loads((Path(run) / "train_log.json").read_text())
+        name = Path(run).name
+        curves[f"{name} train"] = [(r["step"], r["loss"]) for r in log["train"]]
+        for key in sorted(
+            {k for e in log["eval"] for k in e if k.endswith("loss") or "_loss" in k}
+        ):
+            curves[f"{name} {key}"] = [(e["step"], e[key]) for e in log["eval"] if key in e]
+    plot_losses(Path(args.out), curves, args.title)
+    print(json.dumps({"png": args.out, "curves": list(curves)}))
+    return 0
+
+
+def register(subparsers) -> None:
+    """Adds `train` and its subcommands to the top-level CLI."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    t = subparsers.add_parser("train", help="train a tokenizer, a target, or a DFlash drafter")
+    sub = t.add_subparsers(dest="train_command", required=True)
+
+    p = sub.add_parser("tokenizer", help="byte-level BPE with chat specials and <|mask|>")
+    p.add_argument("--out", required=True)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    _corpus_flags(p)
+    p.set_defaults(func=cmd_tokenizer)
+
+    p = sub.add_parser("corpus", help="tokenize a corpus once (train + held-out files) to an .npz")
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    _corpus_flags(p)
+    p.set_defaults(func=cmd_corpus)
+
+    p = sub.add_parser(
+        "target", help="a Qwen3.5 hybrid (Gated DeltaNet + attention 3:1) from scratch"
+    )
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--gdn-key-heads", type=int, default=4)
+    p.add_argument("--gdn-value-heads", type=int, default=8)
+    p.add_argument("--gdn-head-dim", type=int, default=64)
+    _corpus_flags(p)
+    _loop_flags(p, steps=3000, batch=32, lr=2e-3)
+    p.set_defaults(func=cmd_target)
+
+    p = sub.add_parser("drafter", help="a DFlash drafter for any mlx-lm target (frozen)")
+    p.add_argument("--target", required=True, help="target checkpoint dir (any mlx-lm model)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--intermediate", type=int)
+    p.add_argument("--taps", help="target layer ids, e.g. 1,3,5,7 (default: DFLASH.md's spacing)")
+    p.add_argument("--block-size", type=int, default=8, help="block size written to config.json")
+    p.add_argument("--block-sizes", default="8,16", help="block sizes trained, alternated")
+    p.add_argument(
+        "--rows-per-seq", type=int, default=512, help="anchors x block size per sequence"
+    )
+    p.add_argument("--mask-token-id", type=int)
+    p.add_argument("--distill", type=float, default=1.0,
+                   help="1: labels are the target's distribution; 0: the data's next token")  # fmt: skip
+    p.add_argument(
+        "--regen", type=int, default=0, help="sequences the target writes itself (greedy)"
+    )
+    p.add_argument("--regen-prompt", type=int, default=32)
+    p.add_argument("--regen-batch", type=int, default=512)
+    p.add_argument("--regen-frac", type=float, default=0.5)
+    _corpus_flags(p)
+    _loop_flags(p, steps=2000, batch=32, lr=1e-3)
+    p.set_defaults(func=cmd_drafter)
+
+    p = sub.add_parser("plot", help="loss curves of runs (their train_log.json) as a PNG")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--out", required=True)
+    p.add_argument("--title", default="training loss")
+    p.set_defaults(func=cmd_plot)

@@ -1,0 +1,172 @@
+"""Training commands on tiny shapes (CPU): each runs a few steps and its loss falls; the drafter's
+batched training forward equals the inference forward, so training and serving cannot drift."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from sanctum.cli import main
+from sanctum.engine.drafter import load_drafter
+from sanctum.engine.target import load_target
+from sanctum.engine.tiny import TINY_TOKENIZER
+from sanctum.train.data import Corpus, build_corpus, function_pairs, is_holdout, stdlib_root
+from sanctum.train.drafter import block_forward, target_pass
+from sanctum.train.gdn import chunked_gdn
+
+# three small, stable stdlib modules: enough text for a few steps
+FILES = ["textwrap.py", "colorsys.py", "bisect.py"]
+
+
+@pytest.fixture(scope="module")
+def corpus_args():
+    root = stdlib_root()
+    return [a for f in FILES for a in ("--corpus", str(root / f))]
+
+
+def _losses(out_dir) -> list[float]:
+    log = json.loads((out_dir / "train_log.json").read_text())
+    return [r["loss"] for r in log["train"]]
+
+
+def test_tokenizer_command(tmp_path, corpus_args):
+    out = tmp_path / "tok"
+    assert main(["train", "tokenizer", "--out", str(out), "--vocab-size", "600", *corpus_args]) == 0
+    tok = json.loads((out / "tokenizer.json").read_text())
+    added = {t["content"] for t in tok["added_tokens"]}
+    assert {"<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|mask|>"} <= added
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in config["chat_template"]
+
+
+def test_chat_shaping_and_holdout():
+    pairs = function_pairs((stdlib_root() / "textwrap.py").read_text())
+    assert pairs and all(func.startswith(stub.split("\n")[0]) for stub, func in pairs)
+    names = [f"mod{i}.py" for i in range(400)]
+    held = [n for n in names if is_holdout(n)]
+    assert 0 < len(held) < 60 and held == [n for n in names if is_holdout(n)]  # stable
+
+
+def test_target_command_loss_falls(tmp_path, corpus_args):
+    out = tmp_path / "target"
+    argv = ["train", "target", "--tokenizer", str(TINY_TOKENIZER), "--out", str(out),
+            "--hidden", "64", "--layers", "4", "--intermediate", "128", "--heads", "2",
+            "--kv-heads", "1", "--gdn-key-heads", "1", "--gdn-value-heads", "2",
+            "--gdn-head-dim", "32", "--steps", "40", "--batch", "4", "--seq-len", "64",
+            "--lr", "3e-3", "--log-every", "1", "--eval-every", "0", "--dtype", "float32",
+            "--no-compile", *corpus_args]  # fmt: skip
+    assert main(argv) == 0
+    losses = _losses(out)
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5
+    target = load_target(out)  # loads through the real loader
+    assert target.model_type == "qwen3_5" and sum(target.is_gdn) == 3
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from sanctum.engine.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("pair"), "hybrid", "dflash", 0, 8)
+
+
+def test_drafter_command_loss_falls(tmp_path, tiny_pair, corpus_args):
+    target_dir, _ = tiny_pair
+    out = tmp_path / "drafter"
+    argv = ["train", "drafter", "--target", str(target_dir), "--out", str(out), "--layers", "2",
+            "--head-dim", "32", "--taps", "1,3,5", "--steps", "30", "--batch", "4",
+            "--seq-len", "64", "--rows-per-seq", "64", "--lr", "3e-3", "--regen", "4",
+            "--regen-prompt", "16", "--regen-batch", "4", "--log-every", "1", "--distill", "0",
+            "--eval-every", "0", "--dtype", "float32", "--no-compile", *corpus_args]  # fmt: skip
+    assert main(argv) == 0
+    losses = _losses(out)
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3
+    target = load_target(target_dir)
+    drafter = load_drafter(out, target)  # the written checkpoint loads unchanged
+    assert drafter.cfg.target_layer_ids == (1, 3, 5)
+
+
+def test_fast_gdn_matches_mlx_lm(tiny_pair):
+    target = load_target(tiny_pair[0])
+    tokens = mx.array(
+        np.random.default_rng(0).integers(0, target.vocab_size, (2, 40)).astype(np.int32)
+    )
+    ref_taps, ref_logits = target_pass(target, tokens, (1, 5))
+    with chunked_gdn():
+        taps, logits = target_pass(target, tokens, (1, 5))
+    assert mx.allclose(taps, ref_taps, atol=1e-4, rtol=1e-4).item()
+    assert mx.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("kind", ["dflash"])
+def test_training_forward_equals_inference(tiny_pair, kind):
+    """One block through the batched, masked training forward == DraftBody's cached inference
+    forward; a second block in the same batch must not change it (blocks never see each other).
+    The tiny drafter has a sliding, causal layer, so the window and causal masks are covered."""
+    target_dir, drafter_dir = tiny_pair
+    target = load_target(target_dir)
+    drafter = load_drafter(drafter_dir, target)
+    body, head, cfg = drafter.body, drafter.head, drafter.cfg
+    S, L, p = 40, cfg.block_size, 27  # p past the sliding window, so the window matters
+    tokens = mx.array(np.random.default_rng(1).integers(10, target.vocab_size, S).astype(np.int32))
+    _, taps = target.forward(tokens, target.make_cache(), cfg.target_layer_ids)  # [S, W]
+    batched_taps, _ = target_pass(target, tokens[None], cfg.target_layer_ids)
+    assert mx.allclose(batched_taps[0], taps, atol=1e-4).item()
+
+    mask_embed = target.embed_tokens(mx.array([cfg.mask_token_id]))
+    block = mx.concatenate(
+        [target.embed_tokens(tokens[p : p + 1]), mx.repeat(mask_embed, L - 1, 0)]
+    )
+    ref = body(block[None], p, taps[None, :p], body.make_cache())  # [1, L, H]
+    ref_logits = head.logits(ref[0, 1:])
+
+    other = 9
+    block_other = mx.concatenate(
+        [target.embed_tokens(tokens[other : other + 1]), mx.repeat(mask_embed, L - 1, 0)]
+    )
+    embeds = mx.stack([block_other, block])[None]  # [1, 2, L, H]
+    hidden = block_forward(body, taps[None], embeds, mx.array([[other, p]]))
+    logits = head.logits(hidden[0, 1, 1:])
+    assert mx.allclose(hidden[0, 1], ref[0], atol=1e-4, rtol=1e-4).item()
+    assert mx.allclose(logits, ref_logits, atol=1e-3, rtol=1e-3).item()
+    assert (mx.argmax(logits, -1) == mx.argmax(ref_logits, -1)).all().item()
+
+
+def test_corpus_roundtrip(tmp_path):
+    corpus = build_corpus(TINY_TOKENIZER, [stdlib_root() / "colorsys.py"])
+    again = Corpus.load(corpus.save(tmp_path / "c.npz"))
+    assert np.array_equal(again.train, corpus.train) and again.meta == corpus.meta
+
+
+def test_chunked_gdn_values_and_gradients():
+    from mlx import nn
+    from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
+    from sanctum.train.gdn import chunked_gated_delta
+
+    mx.random.seed(0)
+    B, T, Hk, Dk, Hv, Dv = 2, 75, 2, 16, 4, 16  # T not a multiple of the chunk: padding path
+    q, k = normalize_qk(mx.random.normal((B, T, Hk, Dk)), mx.random.normal((B, T, Hk, Dk)),
+                        inv_scale=Dk**-0.5, eps=1e-6)  # fmt: skip
+    v, a, b = (
+        mx.random.normal((B, T, Hv, Dv)),
+        mx.random.normal((B, T, Hv)),
+        mx.random.normal((B, T, Hv)),
+    )
+    A_log, dt = mx.log(mx.random.uniform(0, 16, (Hv,))), mx.ones(Hv)
+    s0 = mx.random.normal((B, Hv, Dv, Dk)) * 0.1
+
+    def ref(q, k, v, a, b, s0):
+        return gated_delta_ops(q, k, v, compute_g(A_log, a, dt), mx.sigmoid(b), s0)
+
+    def mine(q, k, v, a, b, s0):
+        log_g = -mx.exp(A_log) * nn.softplus(a + dt)
+        return chunked_gated_delta(q, k, v, log_g, mx.sigmoid(b), s0, chunk=32)
+
+    for got, want in zip(mine(q, k, v, a, b, s0), ref(q, k, v, a, b, s0)):
+        assert mx.allclose(got, want, atol=1e-5).item()
+    args = (q, k, v, a, b, s0)
+    grads = [mx.grad(lambda *x, f=f: (f(*x)[0] ** 2).sum() + f(*x)[1].sum(), argnums=tuple(range(6)))(*args)
+             for f in (mine, ref)]  # fmt: skip
+    for got, want in zip(*grads):
+        assert mx.allclose(got, want, atol=1e-4, rtol=1e-3).item()
