@@ -323,12 +323,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_drains(pair, tmp_path):
+@pytest.mark.parametrize("mode", ["inline", "cluster"])
+def test_sigterm_drains(pair, tmp_path, mode):
+    """`sanctum serve` as a process: SIGTERM flips health, refuses new work, lets the in-flight
+    stream finish, exits 0 (cluster: Ray's own SIGTERM handler must not preempt the drain)."""
     port = _free_port()
     env = dict(os.environ, SANCTUM_NO_OPENBLAS="1", SANCTUM_HOME=str(tmp_path))
+    env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sanctum.cli", "serve", "--inline", "--model", pair[0], "--drafter",
-         pair[1], "--port", str(port), "--cache-dir", str(tmp_path / "cache")],
+        [sys.executable, "-m", "sanctum.cli", "serve", "--model", pair[0], "--drafter", pair[1],
+         "--port", str(port), "--cache-dir", str(tmp_path / "cache"),
+         *(["--inline"] if mode == "inline" else [])],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
@@ -349,4 +354,4 @@ def test_sigterm_drains(pair, tmp_path):
         if proc.poll() is None:
             proc.kill()
         out = proc.stdout.read()
-        assert "serving" in out, out
+        assert f"({mode})" in out and "draining" in out, out

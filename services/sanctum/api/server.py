@@ -223,29 +223,36 @@ def serve(settings, host: str, port: int, inline: bool = False, drain_timeout: f
     logging.basicConfig(level=os.environ.get("SANCTUM_LOG", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    streams = settings.max_active + settings.max_queue + 8
-    server = Server(None, host, port, max_message_bytes, max_streams=streams)
-    log.info("listening on %s (NOT_SERVING until the models are loaded)", server.address)
+
+    def on_signals():  # again after ray.init, whose core worker installs its own SIGTERM handler
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+
+    on_signals()
     ray_started = False
+    if not inline:
+        import ray
+
+        address = os.environ.get("RAY_ADDRESS") or None
+        local = {}
+        if not address and os.environ.get("SANCTUM_OBJECT_STORE_BYTES"):
+            local["object_store_memory"] = int(os.environ["SANCTUM_OBJECT_STORE_BYTES"])
+        # before the gRPC server starts: Ray forks its processes, gRPC prefers no fork after start
+        ray.init(address=address, namespace="sanctum", include_dashboard=False,
+                 log_to_driver=True, **local)  # fmt: skip
+        ray_started = True
+        on_signals()
     try:
+        streams = settings.max_active + settings.max_queue + 8
+        server = Server(None, host, port, max_message_bytes, max_streams=streams)
+        log.info("listening on %s (NOT_SERVING until the models are loaded)", server.address)
         if inline:
             from ..cluster.backend import InlineBackend
 
             backend = InlineBackend(settings)
         else:
-            import ray
-
             from ..cluster.actors import start_cluster
 
-            address = os.environ.get("RAY_ADDRESS") or None
-            local = {}
-            if not address and os.environ.get("SANCTUM_OBJECT_STORE_BYTES"):
-                local["object_store_memory"] = int(os.environ["SANCTUM_OBJECT_STORE_BYTES"])
-            ray.init(address=address, namespace="sanctum", include_dashboard=False,
-                     log_to_driver=True, **local)  # fmt: skip
-            ray_started = True
             backend = start_cluster(settings)
         server.attach(backend)
         server.ready()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -37,9 +38,12 @@ from .scheduler import End, InternalError, QueueFull, Unavailable
 log = logging.getLogger("sanctum.cluster")
 
 
-def _setup_logging() -> None:
+def _setup_process() -> None:
     logging.basicConfig(level=os.environ.get("SANCTUM_LOG", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+    # The MLX thread shares the GIL with Ray's and the stream's threads; when a drafter reply
+    # arrives it should get the GIL back within 0.5 ms, not the default 5 ms switch interval.
+    sys.setswitchinterval(float(os.environ.get("SANCTUM_SWITCH_INTERVAL_S", 0.0005)))
 
 
 # ---- errors on the wire --------------------------------------------------------------------
@@ -79,7 +83,7 @@ class DrafterActor:
     """The drafter body (no vocabulary-sized weights), serving rounds over shared memory."""
 
     def __init__(self, settings: ServeSettings, shape: tuple[int, int, int]):
-        _setup_logging()
+        _setup_process()
         from ..engine.drafter import load_drafter
         from .drafter import DraftService
         from .transport import SocketServer
@@ -135,7 +139,7 @@ class StoreActor:
     """The ladder store; with a directory it reloads its entries after a restart."""
 
     def __init__(self, max_bytes: int, directory: str | None):
-        _setup_logging()
+        _setup_process()
         from ..cache.store import PromptStore
         from .store import StoreService
 
@@ -168,7 +172,7 @@ class VerifierActor:
     """The target and its live sequences, scheduled round by round."""
 
     def __init__(self, settings: ServeSettings, drafter_name: str | None, store_name: str | None):
-        _setup_logging()
+        _setup_process()
         # peers by name, not handle: handles as constructor arguments live in the object store,
         # where a restart may no longer find them (ray-project/ray#53727)
         drafter = ray.get_actor(drafter_name) if drafter_name else None

@@ -118,6 +118,7 @@ def stats_message(
         out.draft_calls = s["draft_calls"]
         out.transport_ms_per_round = s["transport_ms_per_call"]
         out.transport_bytes_per_round = s["bytes_per_call"]
+        out.drafter_compute_ms_per_round = s["drafter_compute_ms_per_call"]
     return out
 
 

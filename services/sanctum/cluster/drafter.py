@@ -95,7 +95,8 @@ class RemoteDraftPeer:
         self.sessions: dict[str, int] = {}  # seq_id -> generation it was opened on
         self.replay: OrderedDict[str, list[mx.array]] = OrderedDict()  # taps already sent
         self.needs_replay: set[str] = set()
-        self.stats = {"calls": 0, "transport_s": 0.0, "bytes": 0, "reconnects": 0, "failures": 0}
+        self.stats = {"calls": 0, "transport_s": 0.0, "compute_s": 0.0, "bytes": 0, "reconnects": 0,
+                      "failures": 0}  # fmt: skip
         self.info: roles.DrafterInfo | None = None
         self._lock = threading.Lock()
         self._start_connect()
@@ -185,6 +186,7 @@ class RemoteDraftPeer:
         if reply.not_open or reply.error:
             raise DraftUnavailable(reply.error or "sequence not open on the drafter")
         overhead = max(0.0, time.perf_counter() - t0 - reply.compute_ms / 1000.0)
+        self.stats["compute_s"] += reply.compute_ms / 1000.0
         return hidden, overhead, moved + req.ByteSize() + reply.ByteSize()
 
     # ---- DraftPeer ---------------------------------------------------------------------------
@@ -242,6 +244,7 @@ class RemoteDraftPeer:
             "transport": self.kind,
             "draft_calls": self.stats["calls"],
             "transport_ms_per_call": 1000.0 * self.stats["transport_s"] / calls,
+            "drafter_compute_ms_per_call": 1000.0 * self.stats["compute_s"] / calls,
             "bytes_per_call": self.stats["bytes"] / calls,
             "reconnects": self.stats["reconnects"],
         }

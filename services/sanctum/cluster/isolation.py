@@ -11,6 +11,7 @@ emulate a slower target: the transport cost stays, the round grows.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 DEFAULT_PROMPTS = (
@@ -41,6 +42,11 @@ def add_parser(bsub, add_model_flags) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return q[0], q[2]
+
+
 def _run(backend, prompt: str, max_tokens: int):
     from ..requests import GenerateRequest
 
@@ -49,7 +55,8 @@ def _run(backend, prompt: str, max_tokens: int):
         backend.submit(GenerateRequest(prompt=prompt, max_tokens=max_tokens, use_cache=False))
     )
     elapsed = time.perf_counter() - t0
-    return [t for c in chunks for t in c.token_ids], chunks[-1].usage.rounds, elapsed
+    u = chunks[-1].usage
+    return [t for c in chunks for t in c.token_ids], u.rounds, elapsed, u.elapsed_s
 
 
 def run(args) -> dict:
@@ -72,19 +79,21 @@ def run(args) -> dict:
             for prompt in prompts:
                 _run(backend, prompt, 16)
         before = cluster.stats()
-        totals = {"inline": [0, 0, 0.0], "cluster": [0, 0, 0.0]}  # tokens, rounds, seconds
+        # tokens, rounds, seconds seen by the caller, seconds inside the verifier (open..last chunk)
+        totals = {"inline": [0, 0, 0.0, 0.0], "cluster": [0, 0, 0.0, 0.0]}
+        ratios = []  # cluster tok/s / inline tok/s of the same prompt, run back to back
         identical = True
         for rep in range(args.repeats):
             for prompt in prompts:
                 order = (("inline", inline), ("cluster", cluster))
-                outs = {}
+                outs, speed = {}, {}
                 for name, backend in order if rep % 2 == 0 else order[::-1]:
-                    tokens, rounds, elapsed = _run(backend, prompt, args.max_tokens)
-                    outs[name] = tokens
-                    totals[name][0] += len(tokens)
-                    totals[name][1] += rounds
-                    totals[name][2] += elapsed
+                    tokens, rounds, elapsed, inside = _run(backend, prompt, args.max_tokens)
+                    outs[name], speed[name] = tokens, len(tokens) / elapsed
+                    for k, v in enumerate((len(tokens), rounds, elapsed, inside)):
+                        totals[name][k] += v
                 identical &= outs["inline"] == outs["cluster"]
+                ratios.append(speed["cluster"] / speed["inline"])
         after = cluster.stats()
         cluster.close()
     finally:
@@ -94,6 +103,10 @@ def run(args) -> dict:
     ms = (
         after.transport_ms_per_round * after.draft_calls
         - before.transport_ms_per_round * before.draft_calls
+    )
+    compute = (
+        after.drafter_compute_ms_per_round * after.draft_calls
+        - before.drafter_compute_ms_per_round * before.draft_calls
     )
     nbytes = (after.transport_bytes_per_round * after.draft_calls
               - before.transport_bytes_per_round * before.draft_calls)  # fmt: skip
@@ -109,10 +122,21 @@ def run(args) -> dict:
         "inline_tok_s": round(tok_s["inline"], 2),
         "cluster_tok_s": round(tok_s["cluster"], 2),
         "isolation_tax_pct": round(100.0 * (1.0 - tok_s["cluster"] / tok_s["inline"]), 2),
+        # the same from back-to-back pairs (robust to a noisy machine): median and quartiles
+        "paired_tax_pct_median": round(100.0 * (1.0 - statistics.median(ratios)), 2),
+        "paired_tax_pct_q1_q3": [round(100.0 * (1.0 - q), 2) for q in _quartiles(ratios)[::-1]],
         "inline_round_ms": round(1000.0 * totals["inline"][2] / max(1, totals["inline"][1]), 3),
         "cluster_round_ms": round(1000.0 * totals["cluster"][2] / max(1, totals["cluster"][1]), 3),
+        # the same, timed inside the verifier: the difference is the stream back to the caller
+        "inline_verifier_round_ms": round(
+            1000.0 * totals["inline"][3] / max(1, totals["inline"][1]), 3
+        ),
+        "cluster_verifier_round_ms": round(
+            1000.0 * totals["cluster"][3] / max(1, totals["cluster"][1]), 3
+        ),
         "draft_calls": calls,
         "transport_ms_per_round": round(ms / max(1, calls), 4),
+        "drafter_compute_ms_per_round": round(compute / max(1, calls), 4),
         "transport_bytes_per_round": round(nbytes / max(1, calls)),
         "greedy_outputs_identical": identical,
     }

@@ -121,13 +121,18 @@ class Slot:
         view = np.ndarray(shape, _NP[ref.dtype], self.shm.buf, ref.offset)
         return from_numpy(view, ref.dtype)
 
-    def close(self) -> None:
-        try:
-            self.shm.close()
-            if self.owner:
+    def unlink(self) -> None:
+        """Remove the name; the memory lives on while a process maps it. Done as soon as the
+        peer has attached, so a process killed with SIGKILL leaves nothing in /dev/shm."""
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
                 self.shm.unlink()
-        except (FileNotFoundError, BufferError):
-            pass
+            self.owner = False
+
+    def close(self) -> None:
+        self.unlink()
+        with contextlib.suppress(BufferError):
+            self.shm.close()
 
 
 # ---- drafter side: serving DraftRequests over Unix sockets ---------------------------------
@@ -272,6 +277,7 @@ class ShmChannel:
         old, self.slot = self.slot, Slot(size)
         attach = roles.DraftAttach(shm_name=self.slot.name, size=self.slot.size)
         self._roundtrip(roles.DraftRequest(attach=attach))
+        self.slot.unlink()  # both sides have it mapped: the name is no longer needed
         if old is not None:
             old.close()
 
