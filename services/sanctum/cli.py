@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     from .bench import register as register_bench
 
     register_bench(sub)
+    from .train.cli import register as register_train
+
+    register_train(sub)
 
     args = parser.parse_args(argv)
     try:
