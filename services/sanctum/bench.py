@@ -122,6 +122,39 @@ def multiturn(args) -> list[dict]:
     return rows
 
 
+def tau(args) -> dict:
+    """Greedy tau per block size on prompts from held-out stdlib files (never trained on), and
+    plain vs speculative tok/s over the same prompts; EOS ignored so every run is max_tokens."""
+    from dataclasses import replace
+
+    from .cli import _load_local
+    from .train.data import heldout_prompts
+
+    settings, target, drafter = _load_local(args)
+    if drafter is None:
+        raise ValueError("bench tau needs a drafter")
+    prompts = [target.tokenizer.encode(p, add_special_tokens=False)
+               for p in heldout_prompts(args.num_prompts)]  # fmt: skip
+    _run_once(target, drafter, prompts[0], 8, settings)  # warm up
+    plain_tokens, plain_s = 0, 0.0
+    for ids in prompts:
+        tokens, _, elapsed = _run_once(target, None, ids, args.max_tokens, settings)
+        plain_tokens, plain_s = plain_tokens + len(tokens), plain_s + elapsed
+    result = {"model": settings.model, "drafter": settings.drafter, "prompts": len(prompts),
+              "max_tokens": args.max_tokens, "plain_tok_s": round(plain_tokens / plain_s, 2)}  # fmt: skip
+    for bs in [int(b) for b in args.block_sizes.split(",")]:
+        rounds, n_tokens, spent = [], 0, 0.0
+        for ids in prompts:
+            tokens, stats, elapsed = _run_once(target, drafter, ids, args.max_tokens,
+                                               replace(settings, block_size=bs))  # fmt: skip
+            rounds += [r for r in stats if r.bs > 1]
+            n_tokens, spent = n_tokens + len(tokens), spent + elapsed
+        result[f"tau_b{bs}"] = round(sum(r.accepted + 1 for r in rounds) / max(1, len(rounds)), 3)
+        result[f"speculative_tok_s_b{bs}"] = round(n_tokens / spent, 2)
+        result[f"ratio_b{bs}"] = round(n_tokens / spent / result["plain_tok_s"], 3)
+    return result
+
+
 def register(sub) -> None:
     """`sanctum bench ...` subcommands."""
     from .cli import _add_model_flags
@@ -143,6 +176,12 @@ def register(sub) -> None:
     from .cluster.isolation import add_parser as add_isolation
 
     add_isolation(bsub, _add_model_flags)
+    t = bsub.add_parser("tau", help="greedy tau at several block sizes on held-out prompts")
+    _add_model_flags(t)
+    t.add_argument("--block-sizes", default="8,16")
+    t.add_argument("--num-prompts", type=int, default=16)
+    t.add_argument("--max-tokens", type=int, default=96)
+    t.add_argument("--json", action="store_true")
     b.set_defaults(func=main)
 
 
@@ -153,7 +192,7 @@ def isolation(args) -> dict:
     return run(args)
 
 
-BENCHES = {"speculative": speculative, "multiturn": multiturn, "isolation": isolation}
+BENCHES = {"speculative": speculative, "multiturn": multiturn, "isolation": isolation, "tau": tau}
 
 
 def main(args) -> int:
