@@ -90,7 +90,7 @@ def tokens_of(responses) -> list[int]:
     return [t for m in responses for t in m.token_ids]
 
 
-def wait_for(predicate, timeout=10.0, interval=0.05):
+def wait_for(predicate, timeout=30.0, interval=0.05):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if predicate():
@@ -315,6 +315,20 @@ def test_queue_full_and_message_limit(pair, tmp_path):
     finally:
         srv.stop(0)
         backend.close()
+
+
+def test_not_serving_until_models_are_loaded():
+    srv = Server(None, "127.0.0.1", 0)
+    try:
+        with Client(srv.address) as c:
+            assert c.health() == "NOT_SERVING" and c.health("sanctum.v1.Inference") == "NOT_SERVING"
+            with pytest.raises(grpc.RpcError) as err:
+                list(c.generate("hi", max_tokens=2, timeout=10))
+            assert (
+                err.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in err.value.details()
+            )
+    finally:
+        srv.stop(0)
 
 
 def _free_port() -> int:

@@ -45,7 +45,7 @@ def engine(pair):
     return target, drafter, reference
 
 
-def wait_for(predicate, timeout=10.0, interval=0.1):
+def wait_for(predicate, timeout=30.0, interval=0.1):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         with contextlib.suppress(Exception):  # a role may be restarting
@@ -303,12 +303,12 @@ def test_drafter_transports_give_the_engine_output(cluster, engine, pair, transp
 def test_drafter_dies_mid_request(cluster, engine):
     backend, client = cluster
     _, _, reference = engine
-    stream = client.generate(PROMPTS[1], max_tokens=120, use_cache=False, timeout=120)
+    stream = client.generate(PROMPTS[1], max_tokens=200, use_cache=False, timeout=180)
     head = [next(stream) for _ in range(4)]
     assert all(m.drafted == 7 for m in head[1:])
     ray.kill(backend.drafter, no_restart=False)
     rest = list(stream)
-    assert _tokens(head + rest) == reference(PROMPTS[1], 120)  # same greedy output
+    assert _tokens(head + rest) == reference(PROMPTS[1], 200)  # same greedy output
     assert any(m.drafted == 0 for m in rest)  # plain rounds while the drafter was away
     assert wait_for(lambda: client.stats().drafter_available, timeout=90)
     again = list(client.generate(PROMPTS[1], max_tokens=16, use_cache=False, timeout=60))

@@ -258,7 +258,8 @@ def serve(settings, host: str, port: int, inline: bool = False, drain_timeout: f
         server.ready()
         print(f"sanctum: serving {settings.engine.model} on {server.address} "
               f"({backend.mode})", flush=True)  # fmt: skip
-        stop.wait()
+        while not stop.wait(0.25):  # a timeout: a signal landing on another thread still runs
+            pass  # its Python handler only when the main thread wakes
         log.info("draining: health NOT_SERVING, new requests refused, in-flight ones finishing")
         server.drain(drain_timeout)
         server.stop(grace=1.0)
