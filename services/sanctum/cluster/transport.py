@@ -338,7 +338,8 @@ class ObjectStoreChannel:
                 ),
                 timeout=self.timeout_s,
             )
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+        except ray.exceptions.RayError as exc:  # GetTimeoutError and RayActorError included
+            # the actor died or is restarting (or its task failed): decode plainly meanwhile
             raise ChannelBroken(f"drafter call failed: {exc.__class__.__name__}") from None
         reply = roles.DraftReply.FromString(data)
         hidden = None
