@@ -12,7 +12,7 @@ front end's `ClusterBackend` that talks to them.
 - `StoreActor`: the prompt cache, persisted in a directory; a restart reloads it. Restarts
   forever; the verifier serves uncached meanwhile.
 All three take no Ray CPUs (MLX threads are not Ray's to count) and accept custom resources
-for placement on other hosts (deploy/PLACEMENT.md).
+for placement on other hosts (deploy/README.md).
 """
 
 from __future__ import annotations
