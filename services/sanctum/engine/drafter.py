@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
+from mlx_lm.utils import dequantize_model
 
 from .target import CheckpointError, read_config, resolve_checkpoint
 
@@ -432,7 +433,11 @@ def load_drafter(
     body = head = None
     if parts in ("both", "body"):
         body = DraftBody(cfg, tap_width)
+        if stored := raw.get("quantization"):  # saved quantized to stay small (train/pack.py)
+            nn.quantize(body, stored["group_size"], stored["bits"], class_predicate=_quantizable(0))
         _load_weights(body, {k: v for k, v in weights.items() if not k.startswith("candidate_selector.")}, path)
+        if stored:
+            dequantize_model(body)
         if mx.default_device() == mx.cpu:
             body.set_dtype(mx.float32)  # half precision is 3-4x slower than fp32 on MLX's CPU
         if bits and bits not in (16, 0):
