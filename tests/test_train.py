@@ -170,3 +170,26 @@ def test_chunked_gdn_values_and_gradients():
              for f in (mine, ref)]  # fmt: skip
     for got, want in zip(*grads):
         assert mx.allclose(got, want, atol=1e-4, rtol=1e-3).item()
+
+
+def test_pack_loads_small_and_close(tmp_path, tiny_pair):
+    """A packed pair loads through the real loaders (float32 on the CPU) and stays close."""
+    target_dir, drafter_dir = tiny_pair
+    assert main(["train", "pack", "--target", str(target_dir), "--drafter", str(drafter_dir),
+                 "--out", str(tmp_path), "--target-bits", "8"]) == 0  # fmt: skip
+    ref_t, packed_t = load_target(target_dir), load_target(tmp_path / "target")
+    assert packed_t.embed_tokens.weight.dtype == mx.float32
+    tokens = mx.array(np.arange(20, 60).astype(np.int32))
+    _, ref_taps = ref_t.forward(tokens, ref_t.make_cache(), (1, 3))
+    _, taps = packed_t.forward(tokens, packed_t.make_cache(), (1, 3))
+    assert mx.abs(taps - ref_taps).max().item() < 0.1 * mx.abs(ref_taps).max().item()
+    ref_d = load_drafter(drafter_dir, ref_t)
+    packed_d = load_drafter(tmp_path / "drafter", packed_t)
+    assert packed_d.body.fc.weight.dtype == mx.float32
+    rel = (
+        mx.abs(packed_d.body.fc.weight - ref_d.body.fc.weight).max()
+        / mx.abs(ref_d.body.fc.weight).max()
+    )
+    assert rel.item() < 0.02
+    size = sum(f.stat().st_size for f in (tmp_path / "drafter").glob("*.safetensors"))
+    assert size < 0.4 * sum(f.stat().st_size for f in drafter_dir.glob("*.safetensors"))

@@ -123,17 +123,30 @@ def cmd_drafter(args) -> int:
 def cmd_plot(args) -> int:
     from .loop import plot_losses
 
-    curves = {}
+    panels = {}
     for run in args.runs:
         log = json.loads((Path(run) / "train_log.json").read_text())
-        name = Path(run).name
-        curves[f"{name} train"] = [(r["step"], r["loss"]) for r in log["train"]]
-        for key in sorted(
-            {k for e in log["eval"] for k in e if k.endswith("loss") or "_loss" in k}
-        ):
-            curves[f"{name} {key}"] = [(e["step"], e[key]) for e in log["eval"] if key in e]
-    plot_losses(Path(args.out), curves, args.title)
-    print(json.dumps({"png": args.out, "curves": list(curves)}))
+        curves = {"train": [(r["step"], r["loss"]) for r in log["train"]]}
+        for key in sorted({k for e in log["eval"] for k in e if "loss" in k}):
+            curves[key] = [(e["step"], e[key]) for e in log["eval"] if key in e]
+        panels[Path(run).name] = curves
+    plot_losses(Path(args.out), panels, args.title)
+    print(json.dumps({"png": args.out, "panels": {k: list(v) for k, v in panels.items()}}))
+    return 0
+
+
+def cmd_pack(args) -> int:
+    from ..engine.target import load_target
+    from .pack import pack_drafter, pack_target
+
+    out = Path(args.out)
+    target = pack_target(args.target, out / "target", args.target_bits)
+    result = {"target": str(target)}
+    if args.drafter:
+        result["drafter"] = str(
+            pack_drafter(args.drafter, out / "drafter", load_target(target), args.drafter_bits)
+        )
+    print(json.dumps(result))
     return 0
 
 
@@ -200,6 +213,16 @@ def register(subparsers) -> None:
     _corpus_flags(p)
     _loop_flags(p, steps=2000, batch=32, lr=1e-3)
     p.set_defaults(func=cmd_drafter)
+
+    p = sub.add_parser(
+        "pack", help="store a trained pair small (quantized; float32 again on the CPU)"
+    )
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter")
+    p.add_argument("--out", required=True, help="writes OUT/target and OUT/drafter")
+    p.add_argument("--target-bits", type=int, default=6)
+    p.add_argument("--drafter-bits", type=int, default=8)
+    p.set_defaults(func=cmd_pack)
 
     p = sub.add_parser("plot", help="loss curves of runs (their train_log.json) as a PNG")
     p.add_argument("runs", nargs="+")
