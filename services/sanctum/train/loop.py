@@ -149,25 +149,31 @@ def parse_dtype(name: str) -> mx.Dtype:
 # ---- the loss curve as a PNG ------------------------------------------------------------
 
 
-def plot_losses(path: Path, curves: dict[str, list[tuple[float, float]]], title: str) -> Path:
-    """Loss curves (name -> [(step, loss)]) as a PNG: matplotlib when installed (the `train`
-    extra), else a plain raster drawn here."""
+def plot_losses(
+    path: Path, panels: dict[str, dict[str, list[tuple[float, float]]]], title: str
+) -> Path:
+    """Loss curves as a PNG, one panel per run ({run: {curve: [(step, loss)]}}): matplotlib when
+    installed (the `train` extra), else a plain raster drawn here."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return _plot_raster(path, curves)
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    for name, pts in curves.items():
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, lw=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+        return _plot_raster(
+            path, {f"{r} {c}": p for r, cs in panels.items() for c, p in cs.items()}
+        )
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), dpi=100, squeeze=False)
+    for ax, (run, curves) in zip(axes[0], panels.items()):
+        for name, pts in curves.items():
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, lw=1.2)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.set_title(run)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
