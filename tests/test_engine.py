@@ -87,52 +87,42 @@ def run_decoder(decoder, target, prompt_ids, n, kv="fp16", eos=frozenset(), stop
 
 @pytest.mark.parametrize("kind", ["hybrid", "dense", "next", "moe"])
 @pytest.mark.parametrize("kv", ["fp16", "q8"])
-@pytest.mark.parametrize("row_states", [True, False])
-def test_partial_acceptance_is_lossless_and_cache_matches_fresh_forward(make_pair, kind, kv, row_states):
+def test_partial_acceptance_is_lossless_and_cache_matches_fresh_forward(make_pair, kind, kv):
     target, drafter = load_pair(make_pair, kind, "dflash")
-    target.tape_row_states = row_states
-    try:
-        L = 8
-        ref = plain_greedy(target, kind, kv, n=64)
-        ids = target.tokenizer.encode(PROMPT)
-        decoder = ScriptedDecoder(target, drafter, ref, itertools.cycle(range(L)), block_size=L)
-        seq, steps = run_decoder(decoder, target, ids, 48, kv)
-        assert tokens_of(steps) == ref[:48]
-        assert {s.stats.accepted for s in steps[1:]} >= set(range(L))  # 0..7 accepted all seen
-        # the live cache holds exactly prompt + committed tokens but the last (the anchor)
-        assert seq.cached_tokens == ids + ref[:47]
-        assert cache_offset(seq.cache) == len(seq.cached_tokens)
-        live, _ = target.forward(mx.array([seq.anchor]), seq.cache)
-        fresh_cache = target.make_cache(kv)
-        fresh, _ = target.forward(mx.array(seq.cached_tokens + [seq.anchor]), fresh_cache)
-        tol = 1e-4 if kv == "fp16" else 2e-2
-        np.testing.assert_allclose(np.array(live[-1]), np.array(fresh[-1]), atol=tol, rtol=tol)
-    finally:
-        target.tape_row_states = True
+    L = 8
+    ref = plain_greedy(target, kind, kv, n=64)
+    ids = target.tokenizer.encode(PROMPT)
+    decoder = ScriptedDecoder(target, drafter, ref, itertools.cycle(range(L)), block_size=L)
+    seq, steps = run_decoder(decoder, target, ids, 48, kv)
+    assert tokens_of(steps) == ref[:48]
+    assert {s.stats.accepted for s in steps[1:]} >= set(range(L))  # 0..7 accepted all seen
+    # the live cache holds exactly prompt + committed tokens but the last (the anchor)
+    assert seq.cached_tokens == ids + ref[:47]
+    assert cache_offset(seq.cache) == len(seq.cached_tokens)
+    live, _ = target.forward(mx.array([seq.anchor]), seq.cache)
+    fresh_cache = target.make_cache(kv)
+    fresh, _ = target.forward(mx.array(seq.cached_tokens + [seq.anchor]), fresh_cache)
+    tol = 1e-4 if kv == "fp16" else 2e-2
+    np.testing.assert_allclose(np.array(live[-1]), np.array(fresh[-1]), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "next"])
-@pytest.mark.parametrize("row_states", [True, False])
-def test_rollback_to_every_row_matches_fresh_forward(make_pair, kind, row_states):
+def test_rollback_to_every_row_matches_fresh_forward(make_pair, kind):
     """Verify a block of L rows, roll back to `keep` rows, and compare the next-token logits
     with a fresh forward over exactly the kept tokens; also rolling back twice on one tape."""
     target, drafter = load_pair(make_pair, kind, "dflash")
     ids = target.tokenizer.encode(PROMPT)
     block = [int(t) for t in np.random.default_rng(0).integers(10, 400, size=8)]
-    target.tape_row_states = row_states
-    try:
-        for keeps in [(k,) for k in range(9)] + [(6, 2)]:
-            cache = target.make_cache()
-            target.prefill(ids, cache)
-            _, _, tape = target.verify(mx.array(block), cache, drafter.cfg.target_layer_ids)
-            for keep in keeps:
-                target.rollback(cache, tape, keep)
-            assert cache_offset(cache) == len(ids) + keeps[-1]
-            got, _ = target.forward(mx.array([7]), cache)
-            want, _ = target.forward(mx.array(ids + block[: keeps[-1]] + [7]), target.make_cache())
-            np.testing.assert_allclose(np.array(got[-1]), np.array(want[-1]), atol=1e-4, rtol=1e-4)
-    finally:
-        target.tape_row_states = True
+    for keeps in [(k,) for k in range(9)] + [(6, 2)]:
+        cache = target.make_cache()
+        target.prefill(ids, cache)
+        _, _, tape = target.verify(mx.array(block), cache, drafter.cfg.target_layer_ids)
+        for keep in keeps:
+            target.rollback(cache, tape, keep)
+        assert cache_offset(cache) == len(ids) + keeps[-1]
+        got, _ = target.forward(mx.array([7]), cache)
+        want, _ = target.forward(mx.array(ids + block[: keeps[-1]] + [7]), target.make_cache())
+        np.testing.assert_allclose(np.array(got[-1]), np.array(want[-1]), atol=1e-4, rtol=1e-4)
 
 
 def test_eos_and_max_tokens_inside_an_accepted_run(make_pair):

@@ -90,8 +90,6 @@ class Target:
         self.is_gdn = [bool(getattr(layer, "is_linear", False)) for layer in self.layers]
         self._first_attn = next((i for i, g in enumerate(self.is_gdn) if not g), None)
         self._first_gdn = next((i for i, g in enumerate(self.is_gdn) if g), None)
-        # GDN rollback: keep per-row states (ops path) or recompute from recorded inputs
-        self.tape_row_states = True
         self._compiled_mlp: dict = {}
         max_pos = text_config.get("max_position_embeddings") or 32768
         self.max_context = int(max_pos)
@@ -132,7 +130,7 @@ class Target:
         wanted = {layer_id: None for layer_id in tap_ids}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             if self.is_gdn[i]:
-                r = gdn_forward(layer.linear_attn, layer.input_layernorm(h), c, tape, self.tape_row_states)
+                r = gdn_forward(layer.linear_attn, layer.input_layernorm(h), c, tape)
             else:
                 r = layer.self_attn(layer.input_layernorm(h), attn_mask, c)
             h = self._residual_mlp(layer, h, r)

@@ -1,4 +1,4 @@
-"""The gated delta rule in chunks (Gated DeltaNet's training form), in plain MLX ops.
+"""Training through the gated delta rule in chunks (Gated DeltaNet's training form).
 
 mlx-lm runs the recurrence one token at a time off Apple GPUs (and always in training mode), and
 `mx.fast.gated_delta_update`'s gradient does too: thousands of tiny kernels per step, about 2 s a
@@ -15,66 +15,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 from mlx import nn
 
-
-def chunked_gated_delta(
-    q: mx.array,  # [B, T, Hk, Dk] (normalised, readout scale folded in)
-    k: mx.array,  # [B, T, Hk, Dk]
-    v: mx.array,  # [B, T, Hv, Dv]
-    log_g: mx.array,  # [B, T, Hv] log of the per-token decay
-    beta: mx.array,  # [B, T, Hv]
-    state: mx.array | None = None,  # [B, Hv, Dv, Dk]
-    chunk: int = 64,
-) -> tuple[mx.array, mx.array]:  # y [B, T, Hv, Dv], state [B, Hv, Dv, Dk]
-    B, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[-2:]
-    if (r := Hv // Hk) > 1:
-        q, k = mx.repeat(q, r, -2), mx.repeat(k, r, -2)
-    C = min(chunk, 1 << max(0, (T - 1).bit_length()))
-    pad = (-T) % C
-    if pad:  # zero k/v/beta and zero log-decay leave the state untouched
-        q, k, v, log_g, beta = (
-            mx.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, log_g, beta)
-        )
-    N = (T + pad) // C
-
-    def split(x):  # [B, T, H, ...] -> [B, H, N, C, ...]
-        return mx.moveaxis(x.astype(mx.float32).reshape(B, N, C, Hv, *x.shape[3:]), 3, 1)
-
-    q, k, v, log_g, beta = map(split, (q, k, v, log_g, beta))
-    decay = mx.cumsum(log_g, axis=-1)  # [B, H, N, C] within-chunk cumulative log-decay
-    tril = mx.tril(mx.ones((C, C), mx.bool_))
-    strict = mx.tril(mx.ones((C, C), mx.bool_), -1)
-    diff = decay[..., :, None] - decay[..., None, :]
-    L = mx.where(tril, mx.exp(mx.where(tril, diff, 0.0)), 0.0)  # [B, H, N, C, C]
-    kb = k * beta[..., None]
-    # (I + M)^-1 for the strictly lower M = (beta k k^T) * L: M is nilpotent, so the inverse is
-    # the product of (I + (-M)^(2^j)), log2(C) factors
-    P = -mx.where(strict, (kb @ k.swapaxes(-1, -2)) * L, 0.0)
-    inv, power, n = mx.eye(C) + P, P, 2
-    while n < C:
-        power = power @ power
-        inv = inv + power @ inv
-        n *= 2
-    u = inv @ (v * beta[..., None])  # [B, H, N, C, Dv]
-    w = inv @ (kb * mx.exp(decay)[..., None])  # [B, H, N, C, Dk]
-    if state is None:
-        S = mx.zeros((B, Hv, Dk, Dv), mx.float32)
-    else:
-        S = state.astype(mx.float32).swapaxes(-1, -2)  # [B, H, Dk, Dv]
-    outs = []
-    for i in range(N):
-        qi, ki, di = q[:, :, i], k[:, :, i], decay[:, :, i]
-        v_new = u[:, :, i] - w[:, :, i] @ S
-        outs.append(
-            (qi * mx.exp(di)[..., None]) @ S + ((qi @ ki.swapaxes(-1, -2)) * L[:, :, i]) @ v_new
-        )
-        last = di[..., -1:]
-        S = (
-            S * mx.exp(last)[..., None]
-            + (ki * mx.exp(last - di)[..., None]).swapaxes(-1, -2) @ v_new
-        )
-    y = mx.moveaxis(mx.stack(outs, axis=2), 1, 3).reshape(B, N * C, Hv, Dv)[:, :T]
-    return y.astype(v.dtype), S.swapaxes(-1, -2)
+from ..engine.gdn import chunked_gated_delta  # the engine's verify/prefill use it too
 
 
 @contextmanager
