@@ -42,6 +42,23 @@ def add_parser(bsub, add_model_flags) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _cpu_seconds(pids: list[int]) -> float | None:
+    """User + system CPU seconds of these processes so far (Linux /proc; None elsewhere)."""
+    total = 0.0
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
+def _per_token(seconds: float | None, tokens: int) -> float | None:
+    return None if seconds is None else round(1000.0 * seconds / max(1, tokens), 3)
+
+
 def _quartiles(xs: list[float]) -> tuple[float, float]:
     q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
     return q[0], q[2]
@@ -78,6 +95,8 @@ def run(args) -> dict:
         for backend in (inline, cluster):  # warm-up: compiled kernels, first-call costs
             for prompt in prompts:
                 _run(backend, prompt, 16)
+        pids = {"inline": [os.getpid()], "cluster": [os.getpid(), *cluster.pids().values()]}
+        cpu = {"inline": 0.0, "cluster": 0.0}
         before = cluster.stats()
         # tokens, rounds, seconds seen by the caller, seconds inside the verifier (open..last chunk)
         totals = {"inline": [0, 0, 0.0, 0.0], "cluster": [0, 0, 0.0, 0.0]}
@@ -88,7 +107,14 @@ def run(args) -> dict:
                 order = (("inline", inline), ("cluster", cluster))
                 outs, speed = {}, {}
                 for name, backend in order if rep % 2 == 0 else order[::-1]:
+                    c0 = _cpu_seconds(pids[name])
                     tokens, rounds, elapsed, inside = _run(backend, prompt, args.max_tokens)
+                    c1 = _cpu_seconds(pids[name])
+                    cpu[name] = (
+                        None
+                        if c0 is None or c1 is None or cpu[name] is None
+                        else cpu[name] + c1 - c0
+                    )
                     outs[name], speed[name] = tokens, len(tokens) / elapsed
                     for k, v in enumerate((len(tokens), rounds, elapsed, inside)):
                         totals[name][k] += v
@@ -134,6 +160,10 @@ def run(args) -> dict:
         "cluster_verifier_round_ms": round(
             1000.0 * totals["cluster"][3] / max(1, totals["cluster"][1]), 3
         ),
+        # CPU time of the role processes per token: what the split costs in work, unlike
+        # tok/s undisturbed by other load on the machine (Linux only)
+        "inline_cpu_ms_per_token": _per_token(cpu["inline"], totals["inline"][0]),
+        "cluster_cpu_ms_per_token": _per_token(cpu["cluster"], totals["cluster"][0]),
         "draft_calls": calls,
         "transport_ms_per_round": round(ms / max(1, calls), 4),
         "drafter_compute_ms_per_round": round(compute / max(1, calls), 4),
