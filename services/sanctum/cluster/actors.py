@@ -43,7 +43,7 @@ def _setup_process() -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     # The MLX thread shares the GIL with Ray's and the stream's threads; when a drafter reply
     # arrives it should get the GIL back within 0.5 ms, not the default 5 ms switch interval.
-    sys.setswitchinterval(float(os.environ.get("SANCTUM_SWITCH_INTERVAL_S", 0.0005)))
+    sys.setswitchinterval(float(os.environ.get("SANCTUM_SWITCH_INTERVAL_S", "0.0005")))
 
 
 # ---- errors on the wire --------------------------------------------------------------------
@@ -256,9 +256,15 @@ def start_cluster(settings: ServeSettings) -> ClusterBackend:
     if not ray.is_initialized():
         raise RuntimeError("ray.init() first (a local cluster, or RAY_ADDRESS)")
 
+    # Ray pins OMP_NUM_THREADS to an actor's CPU count (1 for num_cpus=0), which makes the CPU
+    # backend's BLAS single-threaded; the roles should compute like the inline process does.
+    threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
+    env = {"env_vars": {"OMP_NUM_THREADS": threads}}
+
     def opts(role: str, **kw) -> dict:
         res = settings.resources.get(role)
-        return dict(num_cpus=0, max_restarts=-1, **kw, **({"resources": res} if res else {}))
+        return dict(num_cpus=0, max_restarts=-1, runtime_env=env, **kw,
+                    **({"resources": res} if res else {}))  # fmt: skip
 
     prefix = f"sanctum-{uuid.uuid4().hex[:8]}"
     store = StoreActor.options(**opts("store", name=f"{prefix}-store", max_task_retries=0)).remote(
