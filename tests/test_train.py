@@ -193,3 +193,58 @@ def test_pack_loads_small_and_close(tmp_path, tiny_pair):
     assert rel.item() < 0.02
     size = sum(f.stat().st_size for f in (tmp_path / "drafter").glob("*.safetensors"))
     assert size < 0.4 * sum(f.stat().st_size for f in drafter_dir.glob("*.safetensors"))
+
+
+def test_regen_equals_engine_greedy(tiny_pair):
+    """`sanctum train regen`'s batched continuations are the engine's own greedy outputs."""
+    from sanctum.engine.sampling import SamplingParams
+    from sanctum.engine.speculative import generate
+    from sanctum.train.regen import continue_greedy, make_prompts
+
+    target = load_target(tiny_pair[0])
+    stream = np.random.default_rng(0).integers(0, target.vocab_size, 2000)
+    stubs = [{"ids": np.array([5, 6, 7], np.int32), "chat": False},
+             {"ids": np.array([8, 9], np.int32), "chat": True}]  # fmt: skip
+    prompts, kinds = make_prompts(stream, 6, 16, np.random.default_rng(1), stubs, eot_id=3)
+    assert prompts.shape == (6, 16) and set(kinds.tolist()) == {0, 1, 2}
+    assert prompts[1, -4:].tolist() == [3, 5, 6, 7] and prompts[2, -3:].tolist() == [3, 8, 9]
+    rows = continue_greedy(target, prompts, 12, batch=4)
+    assert rows.shape == (6, 28) and (rows[:, :16] == prompts).all()
+    for row in rows:
+        steps = generate(target, row[:16].tolist(), sampling=SamplingParams(), max_tokens=12,
+                         eos_ids=set())  # fmt: skip
+        assert [t for s in steps for t in s.tokens] == row[16:].tolist()
+
+
+def test_drafter_fine_tune_from_packed_init(tmp_path, tiny_pair, corpus_args):
+    """`--init` starts from a (packed) drafter, `--regen-data` trains on a regen file and
+    evaluates its held-out rows; the result loads unchanged with the init's config."""
+    target_dir, drafter_dir = tiny_pair
+    packed = tmp_path / "packed"
+    assert main(["train", "pack", "--target", str(target_dir), "--drafter", str(drafter_dir),
+                 "--out", str(packed), "--target-bits", "8"]) == 0  # fmt: skip
+    corpus_args = [*corpus_args, "--corpus", str(stdlib_root() / "struct.py")]  # a held-out file
+    assert is_holdout("struct.py")
+    regen = tmp_path / "regen.npz"
+    assert main(["train", "regen", "--target", str(packed / "target"), "--out", str(regen),
+                 "--count", "6", "--holdout", "2", "--prompt-len", "16", "--new-tokens", "48",
+                 "--batch", "4", *corpus_args]) == 0  # fmt: skip
+    with np.load(regen) as z:
+        assert z["train"].shape == (6, 64) and z["holdout"].shape == (2, 64)
+    init = load_drafter(packed / "drafter", load_target(packed / "target"))
+    out = tmp_path / "tuned"
+    argv = ["train", "drafter", "--target", str(packed / "target"), "--out", str(out),
+            "--init", str(packed / "drafter"), "--regen-data", str(regen), "--steps", "6",
+            "--batch", "4", "--seq-len", "64", "--rows-per-seq", "64", "--lr", "1e-9",
+            "--warmup", "1", "--log-every", "1", "--eval-every", "3", "--distill", "0.5",
+            "--hard-labels", "target", "--select", "tau", "--dtype", "float32",
+            "--target-dtype", "float32", *corpus_args]  # fmt: skip
+    assert main(argv) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    assert {"regen_tau_b8", "holdout_tau_b16"} <= set(log["eval"][0])
+    assert log["summary"]["init"] == str(packed / "drafter")
+    tuned = load_drafter(out, load_target(packed / "target"))
+    assert tuned.cfg == init.cfg
+    assert "quantization" not in json.loads((out / "config.json").read_text())
+    # lr 1e-9: the tuned weights are the init's (dequantized) weights
+    assert mx.allclose(tuned.body.fc.weight, init.body.fc.weight, atol=1e-5).item()

@@ -93,12 +93,14 @@ def cmd_target(args) -> int:
 
 def cmd_drafter(args) -> int:
     from ..engine.target import load_target
-    from .drafter import DrafterShape, DrafterTraining, train_drafter
+    from .drafter import DrafterShape, DrafterTraining, target_for_training, train_drafter
     from .gdn import chunked_gdn
+    from .regen import load_regen
 
     with chunked_gdn():
-        target = load_target(args.target)
+        target = target_for_training(load_target(args.target), args.target_dtype)
     corpus = _load_corpus(args, Path(target.path))
+    regen_data = load_regen(args.regen_data)[:2] if args.regen_data else None
     shape = DrafterShape(
         layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         intermediate=args.intermediate, tap_ids=_ints(args.taps) if args.taps else None,
@@ -109,14 +111,29 @@ def cmd_drafter(args) -> int:
         block_sizes=_ints(args.block_sizes), lr=args.lr,
         warmup=args.warmup if args.warmup is not None else max(1, args.steps // 25),
         distill=args.distill, regen=args.regen, regen_prompt=args.regen_prompt,
-        regen_batch=args.regen_batch, regen_frac=args.regen_frac, time_budget_s=args.time_budget,
+        regen_batch=args.regen_batch, regen_frac=args.regen_frac, hard_labels=args.hard_labels,
+        select=args.select, time_budget_s=args.time_budget,
         save_every_s=args.save_every, eval_every=args.eval_every, log_every=args.log_every,
         dtype=args.dtype, compile=args.compile and not args.no_compile, seed=args.seed,
     )  # fmt: skip
-    summary = train_drafter(
-        target, corpus, args.out, shape, settings, log=lambda m: print(m, flush=True)
-    )
+    summary = train_drafter(target, corpus, args.out, shape, settings,
+                            log=lambda m: print(m, flush=True), init=args.init, regen_data=regen_data)  # fmt: skip
     print(json.dumps({"drafter": args.out, **summary}))
+    return 0
+
+
+def cmd_regen(args) -> int:
+    from ..engine.target import load_target
+    from .regen import build_regen, save_regen
+
+    target = load_target(args.target)
+    corpus = _load_corpus(args, Path(target.path))
+    arrays = build_regen(target, corpus, args.count, args.prompt_len, args.new_tokens, args.batch,
+                         args.holdout, args.seed, args.corpus or None, log=lambda m: print(m, flush=True))  # fmt: skip
+    save_regen(args.out, arrays)
+    print(json.dumps({"out": args.out, "train": list(arrays["train"].shape),
+                      "holdout": list(arrays["holdout"].shape) if "holdout" in arrays else None,
+                      **json.loads(str(arrays["info"]))}))  # fmt: skip
     return 0
 
 
@@ -125,11 +142,13 @@ def cmd_plot(args) -> int:
 
     panels = {}
     for run in args.runs:
-        log = json.loads((Path(run) / "train_log.json").read_text())
+        name, _, where = run.rpartition("=")  # "NAME=PATH" names the panel
+        path = Path(where)
+        log = json.loads((path if path.is_file() else path / "train_log.json").read_text())
         curves = {"train": [(r["step"], r["loss"]) for r in log["train"]]}
         for key in sorted({k for e in log["eval"] for k in e if "loss" in k}):
             curves[key] = [(e["step"], e[key]) for e in log["eval"] if key in e]
-        panels[Path(run).name] = curves
+        panels[name or path.name] = curves
     plot_losses(Path(args.out), panels, args.title)
     print(json.dumps({"png": args.out, "panels": {k: list(v) for k, v in panels.items()}}))
     return 0
@@ -140,8 +159,13 @@ def cmd_pack(args) -> int:
     from .pack import pack_drafter, pack_target
 
     out = Path(args.out)
-    target = pack_target(args.target, out / "target", args.target_bits)
-    result = {"target": str(target)}
+    if args.drafter_only:  # the target is already packed (or stays as it is): only the drafter
+        if not args.drafter:
+            raise SystemExit("--drafter-only needs --drafter")
+        target, result = Path(args.target), {}
+    else:
+        target = pack_target(args.target, out / "target", args.target_bits)
+        result = {"target": str(target)}
     if args.drafter:
         result["drafter"] = str(
             pack_drafter(args.drafter, out / "drafter", load_target(target), args.drafter_bits)
@@ -210,9 +234,34 @@ def register(subparsers) -> None:
     p.add_argument("--regen-prompt", type=int, default=32)
     p.add_argument("--regen-batch", type=int, default=512)
     p.add_argument("--regen-frac", type=float, default=0.5)
+    p.add_argument("--regen-data", metavar="NPZ",
+                   help="regenerated sequences from `sanctum train regen` (instead of --regen)")  # fmt: skip
+    p.add_argument("--init", metavar="DIR",
+                   help="fine-tune this drafter checkpoint (packed or not); its config replaces the shape flags")  # fmt: skip
+    p.add_argument("--hard-labels", default="data", choices=("data", "target"),
+                   help="hard part of the labels (weight 1 - distill): the data's token or the target's argmax")  # fmt: skip
+    p.add_argument("--select", default="loss", choices=("loss", "tau"),
+                   help="checkpoint kept: lowest held-out loss or highest held-out teacher-forced tau")  # fmt: skip
+    p.add_argument("--target-dtype", choices=("float32", "bfloat16", "float16"),
+                   help="cast the frozen target (default: as loaded; the CPU loader gives float32)")  # fmt: skip
     _corpus_flags(p)
     _loop_flags(p, steps=2000, batch=32, lr=1e-3)
     p.set_defaults(func=cmd_drafter)
+
+    p = sub.add_parser(
+        "regen", help="the target's own greedy continuations of training prompts, to an .npz"
+    )
+    p.add_argument("--target", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--data", help="a token file from `sanctum train corpus` (instead of --corpus)")
+    p.add_argument("--count", type=int, default=1024, help="training sequences")
+    p.add_argument("--holdout", type=int, default=64, help="held-out sequences (evaluation only)")
+    p.add_argument("--prompt-len", type=int, default=96)
+    p.add_argument("--new-tokens", type=int, default=160)
+    p.add_argument("--batch", type=int, default=128, help="sequences per forward")
+    p.add_argument("--seed", type=int, default=0)
+    _corpus_flags(p)
+    p.set_defaults(func=cmd_regen)
 
     p = sub.add_parser(
         "pack", help="store a trained pair small (quantized; float32 again on the CPU)"
@@ -222,10 +271,13 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, help="writes OUT/target and OUT/drafter")
     p.add_argument("--target-bits", type=int, default=6)
     p.add_argument("--drafter-bits", type=int, default=8)
+    p.add_argument("--drafter-only", action="store_true",
+                   help="write only OUT/drafter, checked against --target as it is (e.g. a packed one)")  # fmt: skip
     p.set_defaults(func=cmd_pack)
 
     p = sub.add_parser("plot", help="loss curves of runs (their train_log.json) as a PNG")
-    p.add_argument("runs", nargs="+")
+    p.add_argument("runs", nargs="+",
+                   help="run folders or train_log.json files, each optionally NAME=PATH")  # fmt: skip
     p.add_argument("--out", required=True)
     p.add_argument("--title", default="training loss")
     p.set_defaults(func=cmd_plot)

@@ -68,6 +68,8 @@ class DrafterTraining:
     regen_prompt: int = 32
     regen_batch: int = 512
     regen_frac: float = 0.5  # share of each batch drawn from the regenerated sequences
+    hard_labels: str = "data"  # hard labels (weight 1 - distill): "data" or "target" (argmax)
+    select: str = "loss"  # checkpoint kept: lowest held-out "loss" or highest held-out "tau"
     seed: int = 0
     time_budget_s: float | None = None
     save_every_s: float = 120.0
@@ -225,11 +227,13 @@ def regenerate(target: Target, tokens: np.ndarray, count: int, prompt_len: int, 
 
 def draft_loss(body: DraftBody, lm_head, mask_embed: mx.array, embeds: mx.array, tokens: mx.array,
                taps: mx.array, t_logits: mx.array, anchors: mx.array, weights: mx.array,
-               distill: float):  # fmt: skip
+               distill: float, hard_labels: str = "data"):  # fmt: skip
     """Weighted block cross-entropy; metrics: per-row agreement with the target's argmax and the
     expected acceptance length (teacher-forced tau) of these blocks.
 
     embeds [B, S, H] target input embeddings of `tokens` [B, S]; anchors [B, N]; weights [L-1].
+    The hard part of the labels (weight 1 - distill) is the data's next token, or with
+    hard_labels="target" the target's argmax there (what greedy acceptance checks).
     """
     B, N = anchors.shape
     L = weights.shape[0] + 1
@@ -242,6 +246,8 @@ def draft_loss(body: DraftBody, lm_head, mask_embed: mx.array, embeds: mx.array,
     labels = mx.take_along_axis(tokens, idx.reshape(B, -1), axis=1).reshape(B, N, L - 1)
     prev = (idx - 1).reshape(B, -1)
     t_rows = mx.take_along_axis(t_logits, prev[..., None], axis=1).reshape(B, N, L - 1, -1)
+    if hard_labels == "target":
+        labels = mx.argmax(t_rows, axis=-1)
     logz = mx.logsumexp(logits, axis=-1)
     hard = logz - mx.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
     loss_rows = (1 - distill) * hard
@@ -276,6 +282,35 @@ def write_checkpoint(out: Path, raw_config: dict, body: DraftBody, dtype) -> Pat
     return out
 
 
+def target_for_training(target: Target, dtype: str | None = "float32") -> Target:
+    """The target as the CPU engine runs it: a packed checkpoint (`dequantize_on_cpu`, quantized
+    only to stay small) dequantized on every device, and its weights cast to `dtype` (None: as
+    loaded), so that a drafter trained on the GPU learns the numbers it will be served with."""
+    from mlx_lm.utils import dequantize_model
+
+    if target.config.get("dequantize_on_cpu") and mx.default_device() != mx.cpu:
+        dequantize_model(target.model)
+    if dtype:
+        target.model.set_dtype(parse_dtype(dtype))
+    mx.eval(target.model.parameters())
+    return target
+
+
+def init_body(path: str | Path, target: Target) -> tuple[DraftBody, dict]:
+    """A trained drafter's body (packed or not: quantized weights come back dequantized) in
+    float32, and its config without the storage `quantization` entry, to fine-tune from."""
+    from ..engine.drafter import load_drafter
+
+    drafter = load_drafter(path, target, parts="body")
+    raw = json.loads((Path(drafter.path) / "config.json").read_text())
+    raw.pop("quantization", None)
+    body = drafter.body
+    body.set_dtype(mx.float32)
+    body.unfreeze()
+    mx.eval(body.parameters())
+    return body, raw
+
+
 class _Batches:
     """Training windows from the corpus and (optionally) the target's regenerated sequences."""
 
@@ -299,13 +334,26 @@ def train_drafter(
     shape: DrafterShape = DrafterShape(),
     settings: DrafterTraining = DrafterTraining(),
     log=print,
+    init: str | Path | None = None,
+    regen_data: tuple[np.ndarray, np.ndarray | None] | None = None,
 ) -> dict:
-    """Train a DFlash drafter against the frozen `target`; writes checkpoints to `out`."""
+    """Train a DFlash drafter against the frozen `target`; writes checkpoints to `out`.
+
+    `init`: a drafter checkpoint to start from (its config replaces `shape`). `regen_data`:
+    (train [N, T], held-out [M, T] or None) regenerated sequences from `sanctum train regen`, used
+    instead of regenerating here; the held-out ones are evaluated, never trained on.
+    """
     out, s = Path(out), settings
-    raw = drafter_config(target, shape, s.dtype)
-    cfg = DrafterConfig.from_dict(raw)
     mx.random.seed(s.seed)
-    body = DraftBody(cfg, len(cfg.target_layer_ids) * cfg.hidden_size)
+    if init:
+        body, raw = init_body(init, target)
+        raw["torch_dtype"] = s.dtype
+        cfg = body.cfg
+        log(f"fine-tuning {init}")
+    else:
+        raw = drafter_config(target, shape, s.dtype)
+        cfg = DrafterConfig.from_dict(raw)
+        body = DraftBody(cfg, len(cfg.target_layer_ids) * cfg.hidden_size)
     mx.eval(body.parameters())
     n_params = sum(v.size for _, v in tree_flatten(body.parameters()))
     log(f"drafter: {n_params / 1e6:.2f} M parameters, taps {cfg.target_layer_ids}, "
@@ -320,8 +368,14 @@ def train_drafter(
     dtype = parse_dtype(s.dtype)
     t_start = time.perf_counter()
     with chunked_gdn():
-        regen = None
-        if s.regen > 0:
+        regen, held_regen = regen_data if regen_data is not None else (None, None)
+        if regen is not None and regen.shape[1] < s.seq_len:
+            raise ValueError(f"regenerated sequences have {regen.shape[1]} tokens, "
+                             f"--seq-len is {s.seq_len}: use --seq-len {regen.shape[1]} or less")  # fmt: skip
+        if regen is not None:
+            log(f"regenerated data: {regen.shape[0]} x {regen.shape[1]} tokens"
+                + (f", held out {held_regen.shape[0]}" if held_regen is not None else ""))  # fmt: skip
+        elif s.regen > 0:
             regen = regenerate(target, corpus.train, s.regen, s.regen_prompt, s.seq_len,
                                s.regen_batch, rng)  # fmt: skip
             log(f"regenerated {regen.shape[0]} x {regen.shape[1]} tokens in "
@@ -331,7 +385,7 @@ def train_drafter(
         def loss_fn(tokens, taps, t_logits, anchors, weights):
             embeds = mx.stop_gradient(target.embed_tokens(tokens))
             return draft_loss(body, lm_head, mask_embed, embeds, tokens, taps, t_logits, anchors,
-                              weights, s.distill)  # fmt: skip
+                              weights, s.distill, s.hard_labels)  # fmt: skip
 
         sched = Schedule(s.lr, s.steps, min(s.warmup, max(1, s.steps // 10)))
         opt = optim.AdamW(learning_rate=sched(0), weight_decay=s.weight_decay, betas=(0.9, 0.95))
@@ -364,9 +418,12 @@ def train_drafter(
                 log(json.dumps(row))
             improved = False
             if s.eval_every and (step % s.eval_every == 0 or step == total):
-                ev = evaluate(body, target, corpus, s, mask_embed)
+                ev = evaluate(body, target, corpus, s, mask_embed, held_regen)
                 log(json.dumps(history.add_eval(step, **ev)))
-                score = sum(v for k, v in ev.items() if "loss" in k)
+                if s.select == "tau":
+                    score = -sum(v for k, v in ev.items() if "tau" in k)
+                else:
+                    score = sum(v for k, v in ev.items() if "loss" in k)
                 improved, best = score < best, min(score, best)
             if improved or (
                 not s.eval_every and (step == total or now - last_save > s.save_every_s)
@@ -376,7 +433,9 @@ def train_drafter(
             if step == total or time.perf_counter() - last_log > s.save_every_s:
                 summary = {"params": n_params, "steps": step, "planned_steps": total,
                            "saved_step": saved_step, "seconds": round(time.perf_counter() - t_train, 1),
-                           "regen_sequences": s.regen, "block_sizes": list(s.block_sizes),
+                           "regen_sequences": s.regen if regen_data is None else int(regen.shape[0]),
+                           "init": str(init) if init else None, "hard_labels": s.hard_labels,
+                           "best_score": best, "select": s.select, "block_sizes": list(s.block_sizes),
                            "batch": s.batch, "seq_len": s.seq_len, "lr": s.lr, "distill": s.distill,
                            "tap_ids": list(cfg.target_layer_ids), "device": str(mx.default_device())}  # fmt: skip
                 history.save(out / "train_log.json", summary=summary)
@@ -385,20 +444,24 @@ def train_drafter(
     return summary
 
 
-def evaluate(
-    body: DraftBody, target: Target, corpus: Corpus, s: DrafterTraining, mask_embed
-) -> dict:
-    """Held-out loss and teacher-forced tau per block size, on fixed windows and anchors."""
+def evaluate(body: DraftBody, target: Target, corpus: Corpus, s: DrafterTraining, mask_embed,
+             held_regen: np.ndarray | None = None) -> dict:  # fmt: skip
+    """Held-out loss and teacher-forced tau per block size, on fixed windows and anchors (and on
+    held-out regenerated sequences, `regen_*`, when given)."""
     tokens_np = corpus.holdout if corpus.holdout.size > s.seq_len + 1 else corpus.train
     rng = np.random.default_rng(4321)
-    tokens = mx.array(sample_windows(tokens_np, min(s.batch, 16), s.seq_len, rng))
-    taps, t_logits = target_pass(target, tokens, tuple(body.cfg.target_layer_ids))
-    embeds = target.embed_tokens(tokens)
+    sets = {"holdout": sample_windows(tokens_np, min(s.batch, 16), s.seq_len, rng)}
+    if held_regen is not None:
+        sets["regen"] = held_regen[:32, : s.seq_len]
     out = {}
-    for block in sorted(set(s.block_sizes)):
-        anchors = sample_anchors(tokens.shape[0], s.seq_len, block, s.rows_per_seq, rng)
-        loss, m = draft_loss(body, target.lm_head, mask_embed, embeds, tokens, taps, t_logits,
-                             anchors, position_weights(block), s.distill)  # fmt: skip
-        out[f"holdout_loss_b{block}"] = loss.item()
-        out[f"holdout_tau_b{block}"] = m["tau"].item()
+    for name, rows in sets.items():
+        tokens = mx.array(rows.astype(np.int32))
+        taps, t_logits = target_pass(target, tokens, tuple(body.cfg.target_layer_ids))
+        embeds = target.embed_tokens(tokens)
+        for block in sorted(set(s.block_sizes)):
+            anchors = sample_anchors(tokens.shape[0], tokens.shape[1], block, s.rows_per_seq, rng)
+            loss, m = draft_loss(body, target.lm_head, mask_embed, embeds, tokens, taps, t_logits,
+                                 anchors, position_weights(block), s.distill, s.hard_labels)  # fmt: skip
+            out[f"{name}_loss_b{block}"] = loss.item()
+            out[f"{name}_tau_b{block}"] = m["tau"].item()
     return out

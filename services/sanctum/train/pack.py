@@ -53,6 +53,7 @@ def pack_drafter(src: str | Path, out: str | Path, target=None, bits: int = 8) -
     )
     raw = json.loads((src / "config.json").read_text())
     raw["quantization"] = {"group_size": GROUP, "bits": bits}
+    raw["torch_dtype"] = "bfloat16"  # what the unquantized weights are stored as
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     if (src / "train_log.json").is_file() and src != out:
         shutil.copy(src / "train_log.json", out / "train_log.json")
