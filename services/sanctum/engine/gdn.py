@@ -4,7 +4,9 @@ mlx-lm's GDN layers (`qwen3_5.GatedDeltaNet`, `qwen3_next.Qwen3NextGatedDeltaNet
 trimmed: their cache is the recurrent state after the last row. We run the same computation as
 mlx-lm (its projections, conv, `normalize_qk`, decay and gate) and keep, during verification, what
 a rollback needs: the conv input rows and the recurrence inputs. Rolling back to `keep` rows then
-re-runs only the recurrence over those rows, no projection (HYBRID_CACHE.md, "recompute").
+costs no projection: off Apple GPUs one small matmul per layer from the chunked pass's own
+intermediates; on Metal a re-run of the recurrence over the kept rows (HYBRID_CACHE.md,
+"recompute").
 
 The recurrence itself: one row (a decode step) goes through mlx-lm's own step, exactly as mlx-lm
 decodes; several rows (a verify block, a prefill chunk) off Apple GPUs go through the chunked
@@ -36,26 +38,52 @@ class GDNTape:
     cache: object  # the layer's ArraysCache, updated in place on rollback
     conv_input: mx.array  # [B, K-1+S, conv_dim]: old conv state rows, then this pass's rows
     state_in: mx.array  # [B, Hv, Dv, Dk]: recurrent state before the pass
-    inputs: tuple  # (q, k, v, log_g, beta), [B, S, ...] each: to recompute the recurrence
+    num_rows: int
+    # either the chunked pass's own intermediates (k [B,H,C,Dk], cumulative log-decay [B,H,C],
+    # corrected values v_new [B,H,C,Dv]): the state after any row is then one small matmul;
+    # or (Metal kernel path) the recurrence inputs (q, k, v, log_g, beta) to recompute it
+    chunk_parts: tuple | None = None
+    inputs: tuple | None = None
 
     def rollback(self, keep: int) -> None:
         """Make the layer's cache hold the state after the first `keep` rows of the pass."""
-        n_conv = self.conv_input.shape[1] - self.inputs[0].shape[1]
+        n_conv = self.conv_input.shape[1] - self.num_rows
         self.cache[0] = self.conv_input[:, keep : keep + n_conv, :]
         if keep == 0:
             self.cache[1] = self.state_in
+        elif self.chunk_parts is not None:
+            self.cache[1] = state_after(self.state_in, *self.chunk_parts, keep)
         else:
             _, self.cache[1] = recurrence(*(t[:, :keep] for t in self.inputs), self.state_in)
 
 
+def state_after(state_in, k, decay, v_new, rows: int) -> mx.array:
+    """State after the first `rows` rows of a one-chunk pass, from that pass's intermediates:
+    the chunk-end update of `chunked_gated_delta` with the chunk cut at `rows`."""
+    last = decay[..., rows - 1 : rows]  # [B, H, 1]
+    S = state_in.astype(mx.float32).swapaxes(-1, -2)  # [B, H, Dk, Dv]
+    kd = k[:, :, :rows] * mx.exp(last - decay[..., :rows])[..., None]
+    S = S * mx.exp(last)[..., None] + kd.swapaxes(-1, -2) @ v_new[:, :, :rows]
+    return S.swapaxes(-1, -2)
+
+
 def _use_kernel(k: mx.array) -> bool:
+    return _kernel_for(k.shape[-1])
+
+
+def _kernel_for(head_k_dim: int) -> bool:
     # Same dispatch rule as mlx_lm.models.gated_delta.gated_delta_update.
     return (
         mx.default_device() == mx.gpu
         and mx.metal.is_available()
-        and k.shape[-1] >= 32
-        and k.shape[-1] % 32 == 0
+        and head_k_dim >= 32
+        and head_k_dim % 32 == 0
     )
+
+
+def _one_chunk_tape(mod: nn.Module, rows: int) -> bool:
+    """A taped pass that fits one chunk keeps the chunk's intermediates (rollback = one matmul)."""
+    return not _kernel_for(mod.head_k_dim) and 1 < rows <= CHUNK
 
 
 def recurrence(q, k, v, log_g, beta, state):
@@ -79,9 +107,12 @@ def chunked_gated_delta(
     beta: mx.array,  # [B, T, Hv]
     state: mx.array | None = None,  # [B, Hv, Dv, Dk]
     chunk: int = CHUNK,
-) -> tuple[mx.array, mx.array]:  # y [B, T, Hv, Dv], state [B, Hv, Dv, Dk]
+    parts: bool = False,
+):
     """The gated delta rule in chunks of C rows (Gated DeltaNet's training form), plain MLX ops,
-    differentiable: same layouts and results as mlx-lm's `gated_delta_ops`."""
+    differentiable: same layouts and results as mlx-lm's `gated_delta_ops`.
+    Returns (y [B, T, Hv, Dv], state [B, Hv, Dv, Dk]); with `parts` (one chunk only) also
+    (k, cumulative log-decay, v_new) for `state_after`."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     if (r := Hv // Hk) > 1:
@@ -128,6 +159,10 @@ def chunked_gated_delta(
         last = di[..., -1:]
         S = S * mx.exp(last)[..., None] + (ki * mx.exp(last - di)[..., None]).swapaxes(-1, -2) @ v_new
     y = mx.moveaxis(mx.stack(outs, axis=2), 1, 3).reshape(B, N * C, Hv, Dv)[:, :T]
+    if parts:
+        if N != 1:
+            raise ValueError("parts are for one-chunk passes (a verify block)")
+        return y.astype(v.dtype), S.swapaxes(-1, -2), (k[:, :, 0], decay[:, :, 0], v_new)
     return y.astype(v.dtype), S.swapaxes(-1, -2)
 
 
@@ -161,15 +196,19 @@ def _gdn_math(mod: nn.Module, x: mx.array, conv_state: mx.array, state_in: mx.ar
     q, k = normalize_qk(q, k, inv_scale=mod.head_k_dim**-0.5, eps=1e-6)
     beta = mx.sigmoid(b)
     log_g = -mx.exp(mod.A_log.astype(mx.float32)) * nn.softplus(a + mod.dt_bias)  # log compute_g
-    y, state = recurrence(q, k, v, log_g, beta, state_in)
+    if taped and _one_chunk_tape(mod, S):
+        y, state, extra = chunked_gated_delta(q, k, v, log_g, beta, state_in, CHUNK, parts=True)
+    else:
+        y, state = recurrence(q, k, v, log_g, beta, state_in)
+        extra = (q, k, v, log_g, beta) if taped else ()
     out = mod.out_proj(mod.norm(y, z).reshape(B, S, -1))
-    return out, conv_input, state, ((q, k, v, log_g, beta) if taped else ())
+    return out, conv_input, state, extra
 
 
 def _math_for(mod: nn.Module, taped: bool, rows: int):
     if rows > COMPILE_MAX_ROWS:
         return lambda *a: _gdn_math(mod, *a, taped)
-    key = (id(mod), taped)
+    key = (id(mod), taped, taped and _one_chunk_tape(mod, rows))
     if key not in _compiled:
         _compiled[key] = mx.compile(lambda x, conv, state: _gdn_math(mod, x, conv, state, taped))
     return _compiled[key]
@@ -184,10 +223,15 @@ def gdn_forward(mod: nn.Module, x: mx.array, cache, tape: list | None = None) ->
     state_in = cache[1]
     if state_in is None:
         state_in = mx.zeros((B, mod.num_v_heads, mod.head_v_dim, mod.head_k_dim), mx.float32)
-    out, conv_input, state, inputs = _math_for(mod, tape is not None, S)(x, conv_state, state_in)
+    out, conv_input, state, extra = _math_for(mod, tape is not None, S)(x, conv_state, state_in)
     cache[0] = conv_input[:, -(mod.conv_kernel_size - 1) :, :]
     cache[1] = state
     cache.advance(S)
     if tape is not None:
-        tape.append(GDNTape(cache, conv_input, state_in, tuple(inputs)))
+        entry = GDNTape(cache, conv_input, state_in, S)
+        if _one_chunk_tape(mod, S):
+            entry.chunk_parts = tuple(extra)
+        else:
+            entry.inputs = tuple(extra)
+        tape.append(entry)
     return out
