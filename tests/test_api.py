@@ -242,7 +242,7 @@ def test_deadline_stops_generation(client):
     before = client.stats().cancelled
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
-        list(client.generate(PROMPTS[4], max_tokens=3000, timeout=1.0))
+        list(client.generate(PROMPTS[3], max_tokens=3000, timeout=0.5))  # ~850 tokens to EOS
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - t0 < 5
     assert wait_for(lambda: client.stats().active == 0, timeout=10)
@@ -291,7 +291,9 @@ def test_cli_generate_server_json_matches_local(server, pair, capsys):
 
 
 def test_queue_full_and_message_limit(pair, tmp_path):
-    settings = serve_settings(pair[0], pair[1], cache_dir="none", max_active=1, max_queue=1, env={})
+    settings = serve_settings(
+        pair[0], pair[1], cache_dir="none", max_active=1, max_queue=1, round_delay_ms=20, env={}
+    )  # slow rounds: the busy ones stay busy
     backend = InlineBackend(settings)
     srv = Server(backend, "127.0.0.1", 0, max_message_bytes=64 << 10, max_streams=8)
     try:
