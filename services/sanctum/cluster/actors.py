@@ -256,13 +256,19 @@ def start_cluster(settings: ServeSettings) -> ClusterBackend:
     if not ray.is_initialized():
         raise RuntimeError("ray.init() first (a local cluster, or RAY_ADDRESS)")
 
-    # Ray pins OMP_NUM_THREADS to an actor's CPU count (1 for num_cpus=0), which makes the CPU
-    # backend's BLAS single-threaded; the roles should compute like the inline process does.
-    threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
-    env = {"env_vars": {"OMP_NUM_THREADS": threads}}
+    # BLAS threads (the CPU backend): Ray pins OMP_NUM_THREADS to an actor's CPU count (1 for
+    # num_cpus=0). The verifier gets what the serving process has, like inline mode. The drafter
+    # (small matmuls) stays at 1: its idle BLAS threads would otherwise spin (OpenBLAS waits
+    # busily after each call) through the verifier's turn, competing for the same cores.
+    threads = {
+        "verifier": os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1),
+        "drafter": os.environ.get("SANCTUM_DRAFTER_THREADS", "1"),
+        "store": "1",
+    }
 
     def opts(role: str, **kw) -> dict:
         res = settings.resources.get(role)
+        env = {"env_vars": {"OMP_NUM_THREADS": threads[role]}}
         return dict(num_cpus=0, max_restarts=-1, runtime_env=env, **kw,
                     **({"resources": res} if res else {}))  # fmt: skip
 
