@@ -100,6 +100,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[Ticket] = deque()
         self._active: dict[str, tuple[object, Ticket]] = {}
+        self._opening = 0  # admitted, prefill running: in neither _waiting nor _active yet
         self._tickets: dict[str, Ticket] = {}
         self._accepting = True
         self._stopped = False
@@ -128,7 +129,7 @@ class Scheduler:
                 raise Unavailable("the server is draining; no new requests")
             if req.request_id in self._tickets:
                 raise InvalidRequest("request_id", f"{req.request_id!r} is already in use")
-            if len(self._waiting) + len(self._active) >= self.max_active + self.max_queue:
+            if self._load() >= self.max_active + self.max_queue:
                 self.counters["rejected"] += 1
                 raise QueueFull(f"queue full: {len(self._active)} requests decoding and "
                                 f"{len(self._waiting)} waiting")  # fmt: skip
@@ -148,7 +149,8 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self._cv:
-            return {"active": len(self._active), "waiting": len(self._waiting), **self.counters}
+            return {"active": len(self._active) + self._opening, "waiting": len(self._waiting),
+                    **self.counters}  # fmt: skip
 
     def stop_accepting(self) -> None:
         with self._cv:
@@ -156,7 +158,10 @@ class Scheduler:
 
     def idle(self) -> bool:
         with self._cv:
-            return not self._active and not self._waiting
+            return self._load() == 0
+
+    def _load(self) -> int:
+        return len(self._waiting) + len(self._active) + self._opening
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Cancel everything; the worker thread closes the open requests, then parks."""
@@ -194,8 +199,11 @@ class Scheduler:
                 admit = []
                 while self._waiting and len(self._active) + len(admit) < self.max_active:
                     admit.append(self._waiting.popleft())
+                self._opening = len(admit)
             for ticket in admit:
                 self._open(ticket)
+                with self._cv:
+                    self._opening -= 1
             for request_id in list(self._active):
                 self._reap_cancelled()
                 if request_id in self._active:
