@@ -25,7 +25,9 @@ def make_pair(tiny_dir):
     def _make(kind="hybrid", drafter="dflash", block_size=8):
         key = (kind, drafter, block_size)
         if key not in made:
-            made[key] = make_tiny(tiny_dir / f"{kind}-{drafter}-{block_size}", kind, drafter, 0, block_size)
+            made[key] = make_tiny(
+                tiny_dir / f"{kind}-{drafter}-{block_size}", kind, drafter, 0, block_size
+            )
         return made[key]
 
     return _make

@@ -259,7 +259,7 @@ def test_eight_concurrent_clients(server, reference):
                 results[prompt] = [
                     list(m.token_ids) for m in c.generate(prompt, max_tokens=20, timeout=120)
                 ]
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=one, args=(p,)) for p in PROMPTS]

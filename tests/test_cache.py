@@ -8,7 +8,6 @@ import logging
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from sanctum.cache.ladder import choose_rungs, prefill_stops, restore_into
 from sanctum.cache.store import CacheEntry, PromptStore
 from sanctum.cluster.verifier import Verifier
@@ -77,7 +76,9 @@ def test_seed_scenario_resumes_warm(pair, kv, mode):
         assert usage.resumed_at > 0
         assert usage.resumed_at == usage.requested_lcp
         assert usage.cached_tokens == usage.resumed_at
-        assert usage.cache_hit_ratio == pytest.approx(usage.resumed_at / usage.prompt_tokens, abs=1e-4)
+        assert usage.cache_hit_ratio == pytest.approx(
+            usage.resumed_at / usage.prompt_tokens, abs=1e-4
+        )
 
 
 def test_seed_scenario_identical_across_kv_and_mode(pair):
@@ -87,7 +88,8 @@ def test_seed_scenario_identical_across_kv_and_mode(pair):
         for mode in ("sync", "streaming"):
             results = three_turns(make_verifier(pair, kv=kv), mode)
             seen[(kv, mode)] = [
-                (u.prompt_tokens, u.requested_lcp, u.resumed_at, u.cached_tokens) for _, _, u in results
+                (u.prompt_tokens, u.requested_lcp, u.resumed_at, u.cached_tokens)
+                for _, _, u in results
             ]
     assert len(set(map(tuple, seen.values()))) == 1, seen
 
@@ -131,7 +133,9 @@ def test_ladder_positions_and_inheritance():
     stops = prefill_stops(4, 100, 40, message_starts=[10, 45, 80])
     assert 100 in stops and 80 in stops and 45 in stops and all(40 < s <= 100 for s in stops)
     st = [("c", "s")]
-    chosen = choose_rungs(4, 100, 120, [45, 80], {100: st, 80: st, 45: st, 120: st}, {40: st, 20: st})
+    chosen = choose_rungs(
+        4, 100, 120, [45, 80], {100: st, 80: st, 45: st, 120: st}, {40: st, 20: st}
+    )
     assert set(chosen) == {100, 120, 80, 45}
     chosen = choose_rungs(6, 100, 120, [80], {100: st, 80: st, 120: st}, {40: st, 20: st})
     assert {20, 40} <= set(chosen)  # inherited rungs are kept while depth allows
@@ -179,7 +183,7 @@ def test_persistence_round_trip(pair, tmp_path):
     assert len(reloaded) == 1
     (a,), (b,) = verifier.store.entries(), reloaded.entries()
     assert np.array_equal(a.tokens, b.tokens) and set(a.rungs) == set(b.rungs)
-    for (x, y) in zip(a.kv, b.kv):
+    for x, y in zip(a.kv, b.kv):
         assert all(mx.array_equal(u, v) for u, v in zip(x, y))
     warm = make_verifier(pair, store=reloaded)
     tokens2, _, usage = run_ids(warm, ids + [71, 72])
@@ -189,8 +193,14 @@ def test_persistence_round_trip(pair, tmp_path):
 
 
 def run_ids(verifier, ids, use_cache=True):
-    chunks = list(verifier.generate(GenerateRequest(prompt_ids=tuple(ids), max_tokens=8, use_cache=use_cache)))
-    return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1].usage
+    chunks = list(
+        verifier.generate(GenerateRequest(prompt_ids=tuple(ids), max_tokens=8, use_cache=use_cache))
+    )
+    return (
+        [t for c in chunks for t in c.token_ids],
+        "".join(c.text for c in chunks),
+        chunks[-1].usage,
+    )
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage_meta", "missing_tensors"])

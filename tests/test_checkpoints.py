@@ -7,7 +7,6 @@ import shutil
 
 import mlx.core as mx
 import pytest
-
 from sanctum.engine.drafter import load_drafter
 from sanctum.engine.target import CheckpointError, load_target
 
@@ -50,7 +49,10 @@ def _del(*keys):
         (_del("hidden_size"), "missing hidden_size"),
         (_del("dflash_config.target_layer_ids"), "dflash_config.target_layer_ids"),
         (_del("block_size"), "block_size"),
-        (lambda c: c["dflash_config"].update(target_layer_ids=[1, 99]), "beyond the target's depth"),
+        (
+            lambda c: c["dflash_config"].update(target_layer_ids=[1, 99]),
+            "beyond the target's depth",
+        ),
         (lambda c: c.update(hidden_size=256), "hidden_size 256 != target hidden size 128"),
         (lambda c: c.update(vocab_size=1000), "vocab_size 1000 != target vocab"),
         (lambda c: c.update(architectures=["MedusaModel"]), "unknown architecture"),
@@ -66,7 +68,9 @@ def test_bad_drafter_config_is_named(pair, tmp_path, edit, message):
 
 def test_drafter_missing_weights_are_named(pair, tmp_path):
     _, drafter_dir, target = pair
-    bad = broken_copy(drafter_dir, tmp_path, edit_weights=lambda w: w.pop("layers.0.self_attn.q_proj.weight"))
+    bad = broken_copy(
+        drafter_dir, tmp_path, edit_weights=lambda w: w.pop("layers.0.self_attn.q_proj.weight")
+    )
     with pytest.raises(CheckpointError, match="missing weights layers.0.self_attn.q_proj.weight"):
         load_drafter(bad, target)
     (bad / "model.safetensors").unlink()
@@ -131,7 +135,10 @@ def test_hub_id_resolves_through_local_cache_offline(make_pair, tmp_path, monkey
 
     target_dir, drafter_dir = make_pair("hybrid", "dflash")
     cache = tmp_path / "hub"
-    for repo, src in (("sanctum-test/tiny-target", target_dir), ("sanctum-test/tiny-drafter", drafter_dir)):
+    for repo, src in (
+        ("sanctum-test/tiny-target", target_dir),
+        ("sanctum-test/tiny-drafter", drafter_dir),
+    ):
         root = cache / f"models--{repo.replace('/', '--')}"
         shutil.copytree(src, root / "snapshots" / ("0" * 40))
         (root / "refs").mkdir()

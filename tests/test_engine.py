@@ -8,7 +8,6 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from sanctum.engine.drafter import load_drafter
 from sanctum.engine.sampling import SamplingParams
 from sanctum.engine.speculative import Decoder, LocalDraftPeer, generate, make_key
@@ -187,7 +186,6 @@ def test_real_loader_reads_hf_layout(make_pair, kind):
     """The tiny checkpoint goes through mlx-lm's loader and sanitize: the HF-layout weights
     (zero-centred norms, [C, 1, K] conv) come back as the model that was written."""
     from mlx.utils import tree_flatten
-
     from sanctum.engine.target import read_config
 
     target_dir, _ = make_pair(kind, "dflash")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from sanctum.engine.drafter import load_drafter
 from sanctum.engine.sampling import SamplingParams, accept_sampled, probabilities
 from sanctum.engine.speculative import Decoder, LocalDraftPeer, make_key

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from sanctum.engine.target import load_target
 from sanctum.tokenizer import TextStream, message_starts, render_chat
 
@@ -13,7 +12,9 @@ def tokenizer(make_pair):
     return load_target(make_pair("hybrid", "dflash")[0]).tokenizer
 
 
-@pytest.mark.parametrize("text", ["def f(x):\n    return x  # ünïcode ✓ 漢字\n", "a" * 50 + "🙂 end"])
+@pytest.mark.parametrize(
+    "text", ["def f(x):\n    return x  # ünïcode ✓ 漢字\n", "a" * 50 + "🙂 end"]
+)
 def test_stream_deltas_reassemble_decoded_text(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
     for step in (1, 3, 8):

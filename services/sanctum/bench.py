@@ -14,9 +14,16 @@ def _run_once(target, drafter, prompt_ids, max_tokens, settings):
 
     t0 = time.perf_counter()
     steps = list(
-        generate(target, prompt_ids, drafter=drafter, sampling=SamplingParams(),
-                 max_tokens=max_tokens, block_size=settings.block_size, kv_mode=settings.kv_mode,
-                 eos_ids=set())  # fmt: skip
+        generate(
+            target,
+            prompt_ids,
+            drafter=drafter,
+            sampling=SamplingParams(),
+            max_tokens=max_tokens,
+            block_size=settings.block_size,
+            kv_mode=settings.kv_mode,
+            eos_ids=set(),
+        )  # fmt: skip
     )
     elapsed = time.perf_counter() - t0
     tokens = [t for s in steps for t in s.tokens]
@@ -36,7 +43,9 @@ def speculative(args) -> dict:
     plain_t, spec_t, spec_rounds, same = [], [], [], True
     for _ in range(args.repeats):
         p_tokens, _, p_elapsed = _run_once(target, None, prompt_ids, args.max_tokens, settings)
-        s_tokens, rounds, s_elapsed = _run_once(target, drafter, prompt_ids, args.max_tokens, settings)
+        s_tokens, rounds, s_elapsed = _run_once(
+            target, drafter, prompt_ids, args.max_tokens, settings
+        )
         plain_t.append(len(p_tokens) / p_elapsed)
         spec_t.append(len(s_tokens) / s_elapsed)
         spec_rounds.extend(r for r in rounds if r.bs > 1)
@@ -96,11 +105,13 @@ def multiturn(args) -> list[dict]:
     messages = [{"role": "system", "content": "You are a careful Python reviewer."}]
     rows = []
     for turn, snippet in enumerate(_code_snippets(args.turns), start=1):
-        messages.append({"role": "user", "content": f"Review this code:\n```python\n{snippet}\n```"})
+        messages.append(
+            {"role": "user", "content": f"Review this code:\n```python\n{snippet}\n```"}
+        )
 
-        def ask(use_cache):
+        def ask(use_cache, seed=turn):
             req = GenerateRequest(messages=tuple(messages), max_tokens=args.max_tokens,
-                                  use_cache=use_cache, seed=turn)  # fmt: skip
+                                  use_cache=use_cache, seed=seed)  # fmt: skip
             chunks = list(verifier.generate(req))
             return "".join(c.text for c in chunks), chunks[-1].usage
 

@@ -10,7 +10,9 @@ import time
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target checkpoint dir or hub id (default: the embedded pair)")
-    p.add_argument("--drafter", help="drafter checkpoint dir or hub id, or 'none' for plain decoding")
+    p.add_argument(
+        "--drafter", help="drafter checkpoint dir or hub id, or 'none' for plain decoding"
+    )
     p.add_argument("--block-size", type=int, help="draft block size (default: drafter config)")
     p.add_argument("--bits", type=int, help="quantize the drafter at load (4, 8; 0 = none)")
     p.add_argument("--kv", choices=("fp16", "q8"), help="attention KV cache format")

@@ -88,7 +88,9 @@ def engine_settings(
         drafter = drafter or str(default_drafter)
     if drafter in ("none", ""):
         drafter = None
-    block = block_size if block_size is not None else _env_int(env, "SANCTUM_MLX_DFLASH2_BLOCK", None)
+    block = (
+        block_size if block_size is not None else _env_int(env, "SANCTUM_MLX_DFLASH2_BLOCK", None)
+    )
     bits = bits if bits is not None else _env_int(env, "SANCTUM_MLX_DFLASH2_BITS", 0)
     kv = kv_mode or env.get("SANCTUM_KV", "fp16")
     if kv not in ("fp16", "q8"):
@@ -99,14 +101,19 @@ def engine_settings(
 
 
 def cache_settings(
-    ladder: int | None = None, max_bytes: int | None = None, directory: str | None = None, env=os.environ
+    ladder: int | None = None,
+    max_bytes: int | None = None,
+    directory: str | None = None,
+    env=os.environ,
 ) -> CacheSettings:
     depth = ladder if ladder is not None else _env_int(env, "SANCTUM_MLX_SSM_LADDER", 4)
     size = max_bytes if max_bytes is not None else _env_int(env, "SANCTUM_CACHE_BYTES", 2 << 30)
     return CacheSettings(depth, size, directory or env.get("SANCTUM_CACHE_DIR") or None)
 
 
-def server_settings(host: str | None = None, port: int | None = None, env=os.environ) -> ServerSettings:
+def server_settings(
+    host: str | None = None, port: int | None = None, env=os.environ
+) -> ServerSettings:
     return ServerSettings(
         host=host or env.get("SANCTUM_HOST", "127.0.0.1"),
         port=port if port is not None else _env_int(env, "SANCTUM_PORT", 1337),

@@ -101,22 +101,31 @@ def validate(req: GenerateRequest, limits: Limits) -> None:
         for i, t in enumerate(req.prompt_ids):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limits.vocab_size:
                 raise InvalidRequest(
-                    "prompt_ids", f"prompt_ids[{i}]={t!r} is not a token id in [0, {limits.vocab_size})"
+                    "prompt_ids",
+                    f"prompt_ids[{i}]={t!r} is not a token id in [0, {limits.vocab_size})",
                 )
         if len(req.prompt_ids) >= limits.max_context:
-            raise InvalidRequest("prompt_ids", f"prompt of {len(req.prompt_ids)} tokens exceeds the context limit {limits.max_context}")
+            raise InvalidRequest(
+                "prompt_ids",
+                f"prompt of {len(req.prompt_ids)} tokens exceeds the context limit {limits.max_context}",
+            )
     if req.messages is not None:
         if len(req.messages) == 0:
             raise InvalidRequest("messages", "at least one message is required")
         for i, m in enumerate(req.messages):
             if m.get("role") not in CHAT_ROLES:
-                raise InvalidRequest(f"messages[{i}].role", f"unknown role {m.get('role')!r}; use one of {', '.join(CHAT_ROLES)}")
+                raise InvalidRequest(
+                    f"messages[{i}].role",
+                    f"unknown role {m.get('role')!r}; use one of {', '.join(CHAT_ROLES)}",
+                )
             if not isinstance(m.get("content"), str):
                 raise InvalidRequest(f"messages[{i}].content", "content must be a string")
     if not isinstance(req.max_tokens, int) or req.max_tokens <= 0:
         raise InvalidRequest("max_tokens", f"must be > 0, got {req.max_tokens}")
     if req.max_tokens > limits.max_tokens:
-        raise InvalidRequest("max_tokens", f"{req.max_tokens} exceeds the limit {limits.max_tokens}")
+        raise InvalidRequest(
+            "max_tokens", f"{req.max_tokens} exceeds the limit {limits.max_tokens}"
+        )
     if req.temperature is not None and not req.temperature >= 0:
         raise InvalidRequest("temperature", f"must be >= 0, got {req.temperature}")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
@@ -131,7 +140,9 @@ def validate(req: GenerateRequest, limits: Limits) -> None:
 
 def check_prompt_length(num_prompt_tokens: int, req: GenerateRequest, limits: Limits) -> None:
     """After tokenization: the prompt and the completion must fit the context."""
-    field_name = "prompt_ids" if req.prompt_ids is not None else ("messages" if req.messages else "prompt")
+    field_name = (
+        "prompt_ids" if req.prompt_ids is not None else ("messages" if req.messages else "prompt")
+    )
     if num_prompt_tokens == 0:
         raise InvalidRequest(field_name, "prompt encodes to no tokens")
     if num_prompt_tokens + req.max_tokens > limits.max_context:

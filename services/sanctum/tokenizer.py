@@ -103,7 +103,9 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         raise ChatError("messages: at least one message is required")
     for i, m in enumerate(messages):
         if m.get("role") not in CHAT_ROLES:
-            raise ChatError(f"messages[{i}].role: unknown role {m.get('role')!r} (use {CHAT_ROLES})")
+            raise ChatError(
+                f"messages[{i}].role: unknown role {m.get('role')!r} (use {CHAT_ROLES})"
+            )
         if not isinstance(m.get("content"), str):
             raise ChatError(f"messages[{i}].content: must be a string")
     return tokenizer.apply_chat_template(
@@ -111,7 +113,9 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     )
 
 
-def message_starts(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def message_starts(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True
+) -> list[int]:
     """Token positions where each message (and the generation prompt) starts in the rendered
     prompt: natural ladder rungs, since later turns share exactly these prefixes."""
     starts = []

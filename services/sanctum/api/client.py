@@ -66,7 +66,7 @@ class Client:
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
-    def __enter__(self) -> Client:  # noqa: PYI034
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -90,7 +90,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             yield from self.backend.submit(req, mode, deadline)
             done.set()
-        except Exception as exc:  # noqa: BLE001 - mapped to a status
+        except Exception as exc:
             done.set()
             if context.is_active():
                 context.abort(*_status(exc))
@@ -130,21 +130,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading its models")
         try:
             return self.backend.stats()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             context.abort(*_status(exc))
 
     def ListCache(self, request, context):
         """Saved prompt-cache entries."""
         try:
             return self.backend.list_cache(request.model_key)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             context.abort(*_status(exc))
 
     def ClearCache(self, request, context):
         """Drop saved prompt-cache entries."""
         try:
             return pb.ClearCacheResponse(removed=self.backend.clear_cache(request.model_key))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             context.abort(*_status(exc))
 
 

@@ -16,7 +16,9 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from .store import CacheEntry, ResumePlan
 
 
-def prefill_stops(depth: int, prompt_len: int, resumed_at: int, message_starts=()) -> tuple[int, ...]:
+def prefill_stops(
+    depth: int, prompt_len: int, resumed_at: int, message_starts=()
+) -> tuple[int, ...]:
     """Positions in (resumed_at, prompt_len] where prefill must stop to take a rung."""
     if depth <= 0:
         return ()

@@ -41,7 +41,9 @@ class CacheEntry:
     kv_mode: str  # "fp16" | "q8"
     tokens: np.ndarray  # [T] int32: exactly the tokens the KV holds
     kv: list[tuple[mx.array, ...]]
-    rungs: dict[int, list[tuple[mx.array, mx.array]]]  # position -> GDN states after that many tokens
+    rungs: dict[
+        int, list[tuple[mx.array, mx.array]]
+    ]  # position -> GDN states after that many tokens
     taps: mx.array | None = None
     entry_id: str = ""
     created: float = field(default_factory=time.time)
@@ -68,7 +70,7 @@ class ResumePlan:
     taps: mx.array | None = None  # [resumed_at, n_taps * H]
 
     @classmethod
-    def from_entry(cls, entry: CacheEntry, requested_lcp: int, resumed_at: int) -> "ResumePlan":
+    def from_entry(cls, entry: CacheEntry, requested_lcp: int, resumed_at: int) -> ResumePlan:
         n = resumed_at
         # slices are fresh array objects: a live cache writing into them never writes the entry
         kv = [tuple(a[..., :n, :] for a in layer) for layer in entry.kv]
@@ -132,7 +134,11 @@ class PromptStore:
         when it alone is larger than the store."""
         size = entry.nbytes
         if size > self.max_bytes:
-            log.warning("prompt cache: entry of %d bytes exceeds the limit %d; not stored", size, self.max_bytes)
+            log.warning(
+                "prompt cache: entry of %d bytes exceeds the limit %d; not stored",
+                size,
+                self.max_bytes,
+            )
             return None
         mx.eval([a for layer in entry.kv for a in layer],
                 [a for s in entry.rungs.values() for pair in s for a in pair],
@@ -222,7 +228,7 @@ class PromptStore:
                 continue
             try:
                 loaded.append(self._read(meta_file))
-            except Exception as exc:  # noqa: BLE001 - any damage: skip the entry, keep serving
+            except Exception as exc:
                 self.stats["skipped_files"] += 1
                 log.warning("prompt cache: skipping %s: %s", meta_file.name, exc)
         for entry in sorted(loaded, key=lambda e: e.created):
@@ -240,7 +246,9 @@ class PromptStore:
             raise ValueError("tensor file does not match its checksum (truncated or corrupt)")
         tensors = mx.load(str(tensor_file))
         tokens = np.frombuffer(meta["tokens"], dtype=np.int32).copy()
-        kv = [tuple(tensors[f"kv.{i}.{j}"] for j in range(n)) for i, n in enumerate(meta["kv_layers"])]
+        kv = [
+            tuple(tensors[f"kv.{i}.{j}"] for j in range(n)) for i, n in enumerate(meta["kv_layers"])
+        ]
         for layer in kv:
             if any(a.shape[-2] != len(tokens) for a in layer if a.ndim == 4):
                 raise ValueError("KV length does not match the token count")

@@ -214,7 +214,7 @@ class VerifierActor:
         try:
             req = request_from_proto(sub.request, sub.request_id)
             ticket = self.scheduler.submit(req, sub.mode or "streaming", sub.deadline_unix or None)
-        except Exception as exc:  # noqa: BLE001 - reported to the caller as a role error
+        except Exception as exc:
             yield roles.VerifierEvents(events=[error_event(exc)]).SerializeToString()
             return
         index = 0
@@ -347,7 +347,7 @@ class ClusterBackend:
                     try:
                         self.ready(timeout=60)
                         break
-                    except Exception:  # noqa: BLE001 - still restarting
+                    except Exception:
                         time.sleep(0.5)
                 log.info("verifier: back after a restart")
                 if self.on_health:

@@ -143,7 +143,7 @@ class RemoteDraftPeer:
                 channel = ShmChannel(info.address, info.authkey, self.timeout_s)
             else:
                 channel = ObjectStoreChannel(self.handle, self.timeout_s)
-        except Exception as exc:  # noqa: BLE001 - still restarting, or gone: try again later
+        except Exception as exc:
             log.warning(
                 "drafter: connect failed (%s); decoding plainly meanwhile", exc.__class__.__name__
             )

@@ -178,7 +178,7 @@ class Scheduler:
     def _run(self, load) -> None:
         try:
             self.verifier = load()
-        except BaseException as exc:  # noqa: BLE001 - reported by wait_ready
+        except BaseException as exc:
             self._load_error = exc
             self._ready.set()
             return

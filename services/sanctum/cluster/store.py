@@ -143,7 +143,7 @@ class StoreProxy:
             ray.get(self._probe)
             self._probe = None
             log.info("ladder store: back; serving cached again")
-        except Exception:  # noqa: BLE001 - still gone: keep probing
+        except Exception:
             self._probe = self.handle.ping.remote()
 
     def _down(self, exc: Exception) -> StoreUnavailable:

@@ -185,7 +185,7 @@ class SocketServer:
                 conn = self.listener.accept()
             except OSError:
                 return  # listener closed
-            except Exception as exc:  # noqa: BLE001 - a failed handshake must not stop the server
+            except Exception as exc:
                 log.warning("drafter channel: rejected a connection (%s)", exc.__class__.__name__)
                 continue
             n += 1
@@ -195,7 +195,7 @@ class SocketServer:
     def _run(self, load) -> None:
         try:
             self.handle = load()
-        except BaseException as exc:  # noqa: BLE001 - reported by wait_ready
+        except BaseException as exc:
             self._error = exc
             self._ready.set()
             return
@@ -212,7 +212,7 @@ class SocketServer:
                         else:
                             try:
                                 b.set_result(a())
-                            except BaseException as exc:  # noqa: BLE001 - to the caller
+                            except BaseException as exc:
                                 b.set_exception(exc)
                 elif not self._serve_one(obj, clients[obj]):
                     client, slot = clients.pop(obj)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import mlx.core as mx
 
@@ -158,7 +158,9 @@ class Verifier:
         if s.bs > 1:
             act.usage.drafted_tokens += s.bs - 1
             act.usage.accepted_tokens += s.accepted
-        log.debug("%s completion_tokens=%d", s.line(len(act.seq.completion)), len(act.seq.completion))
+        log.debug(
+            "%s completion_tokens=%d", s.line(len(act.seq.completion)), len(act.seq.completion)
+        )
         return self._chunk(act, step)
 
     def close(self, act: Active, save: bool = True) -> None:
@@ -168,7 +170,7 @@ class Verifier:
         if save and self.store is not None and act.req.use_cache and act.seq.cached_tokens:
             try:
                 self._save(act)
-            except Exception:  # noqa: BLE001 - a failed save must not fail the request
+            except Exception:
                 log.exception("prompt cache: saving the entry failed; the request is unaffected")
 
     def generate(self, req: GenerateRequest, mode: str = "sync") -> Iterator[Chunk]:
@@ -185,7 +187,7 @@ class Verifier:
     def _plan(self, kv: str, prompt_ids: list[int]) -> ResumePlan:
         try:
             return self.store.plan(self.model_key(kv), prompt_ids)
-        except Exception:  # noqa: BLE001 - a store that is down means "uncached", not an error
+        except Exception:
             log.warning("prompt cache unavailable; serving uncached", exc_info=True)
             return ResumePlan(0, 0)
 

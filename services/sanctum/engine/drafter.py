@@ -71,7 +71,7 @@ class DrafterConfig:
         return self.architecture == "DFlash2DraftModel"
 
     @classmethod
-    def from_dict(cls, raw: dict, where: str = "drafter") -> "DrafterConfig":
+    def from_dict(cls, raw: dict, where: str = "drafter") -> DrafterConfig:
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
@@ -91,7 +91,9 @@ class DrafterConfig:
         n_layers = int(raw["num_hidden_layers"])
         layer_types = tuple(raw.get("layer_types") or ["full_attention"] * n_layers)
         if len(layer_types) != n_layers:
-            raise CheckpointError(f"{where}: layer_types has {len(layer_types)} entries, {n_layers} layers")
+            raise CheckpointError(
+                f"{where}: layer_types has {len(layer_types)} entries, {n_layers} layers"
+            )
         if "sliding_attention" in layer_types and not raw.get("sliding_window"):
             raise CheckpointError(f"{where}: sliding_attention layers need sliding_window")
         rope_theta = raw.get("rope_theta")
@@ -114,7 +116,9 @@ class DrafterConfig:
             intermediate_size=int(raw["intermediate_size"]),
             vocab_size=int(raw["vocab_size"]),
             block_size=int(block),
-            target_layer_ids=tuple(int(i) for i in dcfg.get("target_layer_ids", raw.get("target_layer_ids"))),
+            target_layer_ids=tuple(
+                int(i) for i in dcfg.get("target_layer_ids", raw.get("target_layer_ids"))
+            ),
             mask_token_id=int(dcfg.get("mask_token_id", raw.get("mask_token_id"))),
             num_target_layers=raw.get("num_target_layers"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -373,7 +377,9 @@ class Drafter:
         return self.cfg.block_size
 
 
-def validate_against_target(cfg: DrafterConfig, num_layers: int, hidden: int, vocab: int, where: str):
+def validate_against_target(
+    cfg: DrafterConfig, num_layers: int, hidden: int, vocab: int, where: str
+):
     """Fail at load, naming the mismatch, rather than producing garbage drafts."""
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < num_layers]
     if bad:
@@ -385,7 +391,9 @@ def validate_against_target(cfg: DrafterConfig, num_layers: int, hidden: int, vo
             f"{where}: drafter hidden_size {cfg.hidden_size} != target hidden size {hidden}"
         )
     if cfg.vocab_size != vocab:
-        raise CheckpointError(f"{where}: drafter vocab_size {cfg.vocab_size} != target vocab {vocab}")
+        raise CheckpointError(
+            f"{where}: drafter vocab_size {cfg.vocab_size} != target vocab {vocab}"
+        )
     if not 0 <= cfg.mask_token_id < vocab:
         raise CheckpointError(f"{where}: mask_token_id {cfg.mask_token_id} outside the vocabulary")
 
@@ -435,7 +443,11 @@ def load_drafter(
         body = DraftBody(cfg, tap_width)
         if stored := raw.get("quantization"):  # saved quantized to stay small (train/pack.py)
             nn.quantize(body, stored["group_size"], stored["bits"], class_predicate=_quantizable(0))
-        _load_weights(body, {k: v for k, v in weights.items() if not k.startswith("candidate_selector.")}, path)
+        _load_weights(
+            body,
+            {k: v for k, v in weights.items() if not k.startswith("candidate_selector.")},
+            path,
+        )
         if stored:
             dequantize_model(body)
         if mx.default_device() == mx.cpu:
@@ -450,7 +462,11 @@ def load_drafter(
             raise ValueError("the head needs the target's LM head")
         head = DraftHead(cfg, target.lm_head if target is not None else None)
         if cfg.is_v2:
-            _load_weights(head, {k: v for k, v in weights.items() if k.startswith("candidate_selector.")}, path)
+            _load_weights(
+                head,
+                {k: v for k, v in weights.items() if k.startswith("candidate_selector.")},
+                path,
+            )
         mx.eval(head.parameters())
     return Drafter(cfg, body, head, bits if bits not in (0, 16) else 0, path)
 

@@ -94,7 +94,9 @@ def recurrence(q, k, v, log_g, beta, state):
         Hk, Hv = q.shape[-2], v.shape[-2]
         if (repeat := Hv // Hk) > 1:
             q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
-        y, state = _gated_delta_step_ops(q[:, 0], k[:, 0], v[:, 0], mx.exp(log_g[:, 0]), beta[:, 0], state)
+        y, state = _gated_delta_step_ops(
+            q[:, 0], k[:, 0], v[:, 0], mx.exp(log_g[:, 0]), beta[:, 0], state
+        )
         return y[:, None], state
     return chunked_gated_delta(q, k, v, log_g, beta, state, CHUNK)
 
@@ -157,7 +159,10 @@ def chunked_gated_delta(
             (qi * mx.exp(di)[..., None]) @ S + ((qi @ ki.swapaxes(-1, -2)) * L[:, :, i]) @ v_new
         )
         last = di[..., -1:]
-        S = S * mx.exp(last)[..., None] + (ki * mx.exp(last - di)[..., None]).swapaxes(-1, -2) @ v_new
+        S = (
+            S * mx.exp(last)[..., None]
+            + (ki * mx.exp(last - di)[..., None]).swapaxes(-1, -2) @ v_new
+        )
     y = mx.moveaxis(mx.stack(outs, axis=2), 1, 3).reshape(B, N * C, Hv, Dv)[:, :T]
     if parts:
         if N != 1:

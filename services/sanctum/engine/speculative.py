@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -309,7 +310,7 @@ def generate(
     prompt_ids: list[int],
     *,
     drafter: Drafter | None = None,
-    sampling: SamplingParams = SamplingParams(),
+    sampling: SamplingParams | None = None,
     max_tokens: int = 64,
     block_size: int | None = None,
     kv_mode: str = "fp16",
@@ -321,6 +322,7 @@ def generate(
         raise ValueError("prompt is empty")
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    sampling = sampling or SamplingParams()
     decoder = Decoder(target, drafter, LocalDraftPeer(drafter) if drafter else None, block_size)
     eos = set(target.tokenizer.eos_token_ids) if eos_ids is None else eos_ids
     seq = decoder.new_sequence("local", kv_mode)

@@ -40,7 +40,7 @@ def resolve_checkpoint(path_or_id: str | Path) -> Path:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(str(path_or_id), local_files_only=True))
-    except Exception as exc:  # noqa: BLE001 - any hub failure means "not available offline"
+    except Exception as exc:
         raise CheckpointError(
             f"{path_or_id}: no such directory, and not in the local Hugging Face cache "
             f"(nothing is downloaded at run time): {exc.__class__.__name__}"
@@ -245,11 +245,17 @@ def load_target(path_or_id: str | Path) -> Target:
     try:
         model, config = load_model(path)
     except (KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path}: config.json is missing a field the model needs: {exc}") from None
+        raise CheckpointError(
+            f"{path}: config.json is missing a field the model needs: {exc}"
+        ) from None
     except ValueError as exc:
         raise CheckpointError(f"{path}: weights do not match the config: {exc}") from None
-    if mx.default_device() == mx.cpu:  # MLX's CPU matmuls: float32 is 3-4x faster than half/quantized
-        unpack = bool(config.get("dequantize_on_cpu"))  # quantized only to stay small (train/pack.py)
+    if (
+        mx.default_device() == mx.cpu
+    ):  # MLX's CPU matmuls: float32 is 3-4x faster than half/quantized
+        unpack = bool(
+            config.get("dequantize_on_cpu")
+        )  # quantized only to stay small (train/pack.py)
         if unpack:
             dequantize_model(model)
         if unpack or not ({"quantization", "quantization_config"} & set(config)):

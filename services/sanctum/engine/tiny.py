@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
-from .drafter import DraftBody, DraftHead, DrafterConfig, default_tap_ids
+from .drafter import DraftBody, DrafterConfig, DraftHead, default_tap_ids
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TINY_TOKENIZER = ASSETS / "tiny-tokenizer"
@@ -132,7 +132,10 @@ def to_hf_weights(model_type: str, weights: dict[str, mx.array], num_layers: int
 
 
 def _cast(weights: dict, dtype: mx.Dtype) -> dict:
-    return {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in weights.items()}
+    return {
+        k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v)
+        for k, v in weights.items()
+    }
 
 
 def write_target(out: Path, config: dict, model: nn.Module, dtype=mx.float32) -> Path:

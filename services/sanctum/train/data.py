@@ -114,7 +114,7 @@ def _jsonl_documents(text: str) -> Iterator[str]:
 def documents(files: list[tuple[str, Path]], chat: bool, seed: int = 0) -> Iterator[str]:
     """Each file as a document, plus (for .py files, when `chat`) its function chats."""
     rng = random.Random(seed)
-    for name, path in files:
+    for _name, path in files:
         text = path.read_text(encoding="utf-8", errors="replace")
         if path.suffix == ".jsonl":
             yield from _jsonl_documents(text)

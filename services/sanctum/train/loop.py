@@ -192,7 +192,7 @@ def _plot_raster(path: Path, curves: dict, width: int = 640, height: int = 360) 
         img[height - pad, pad : width - pad] = 0
         img[pad : height - pad, pad] = 0
         colours = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)]
-        for (name, c), colour in zip(curves.items(), colours):
+        for c, colour in zip(curves.values(), colours):
             for (ax, ay), (bx, by) in itertools.pairwise(c):
                 for t in np.linspace(0, 1, 20):
                     x, y = ax + t * (bx - ax), ay + t * (by - ay)
