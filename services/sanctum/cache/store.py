@@ -143,15 +143,16 @@ class PromptStore:
         mx.eval([a for layer in entry.kv for a in layer],
                 [a for s in entry.rungs.values() for pair in s for a in pair],
                 entry.taps if entry.taps is not None else [])  # fmt: skip
-        with self._lock:
-            if not entry.entry_id:
+        if not entry.entry_id:
+            with self._lock:
                 entry.entry_id = f"{int(time.time() * 1000):x}-{os.getpid():x}-{next(self._ids):x}"
+        if self.directory is not None:
+            self._write(entry)  # durable before it is visible: a crash never loses a listed entry
+        with self._lock:
             self._drop_duplicates(entry)
             while self._bytes + size > self.max_bytes and self._entries:
                 self._evict(next(iter(self._entries)))
             self._insert(entry)
-        if self.directory is not None:
-            self._write(entry)
         return entry.entry_id
 
     def clear(self, model_key: str | None = None) -> int:
