@@ -100,7 +100,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[Ticket] = deque()
         self._active: dict[str, tuple[object, Ticket]] = {}
-        self._opening = 0  # admitted, prefill running: in neither _waiting nor _active yet
+        self._opening: set[str] = set()  # admitted, prefill running: not _waiting, not _active
         self._tickets: dict[str, Ticket] = {}
         self._accepting = True
         self._stopped = False
@@ -149,7 +149,7 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self._cv:
-            return {"active": len(self._active) + self._opening, "waiting": len(self._waiting),
+            return {"active": len(self._active) + len(self._opening), "waiting": len(self._waiting),
                     **self.counters}  # fmt: skip
 
     def stop_accepting(self) -> None:
@@ -161,7 +161,7 @@ class Scheduler:
             return self._load() == 0
 
     def _load(self) -> int:
-        return len(self._waiting) + len(self._active) + self._opening
+        return len(self._waiting) + len(self._active) + len(self._opening)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Cancel everything; the worker thread closes the open requests, then parks."""
@@ -199,11 +199,9 @@ class Scheduler:
                 admit = []
                 while self._waiting and len(self._active) + len(admit) < self.max_active:
                     admit.append(self._waiting.popleft())
-                self._opening = len(admit)
+                self._opening.update(t.request_id for t in admit)
             for ticket in admit:
                 self._open(ticket)
-                with self._cv:
-                    self._opening -= 1
             for request_id in list(self._active):
                 self._reap_cancelled()
                 if request_id in self._active:
@@ -212,6 +210,7 @@ class Scheduler:
     def _finish(self, request_id: str, ticket: Ticket, item=END) -> None:
         with self._cv:
             self._active.pop(request_id, None)
+            self._opening.discard(request_id)
             self._tickets.pop(request_id, None)
         ticket.items.put(item)
 
@@ -247,8 +246,9 @@ class Scheduler:
             self._close(act)
             self.counters["finished"] += 1
             return self._finish(rid, ticket)
-        with self._cv:
+        with self._cv:  # one step from "opening" to "active": the queue bound never counts it twice
             self._active[rid] = (act, ticket)
+            self._opening.discard(rid)
 
     def _round(self, request_id: str) -> None:
         act, ticket = self._active[request_id]
