@@ -330,8 +330,13 @@ def test_store_dies_then_reloads_its_entries(cluster, engine):
     backend, client = cluster
     _, _, reference = engine
     prompt = "def saved_before_the_crash(a, b):\n    return a + b"
+    before = {e.entry_id for e in client.list_cache().entries}  # earlier tests saved some too
     first = list(client.generate(prompt, max_tokens=12, timeout=60))
-    assert wait_for(lambda: any(len(e.rungs) for e in client.list_cache().entries), timeout=20)
+
+    def saved():  # this request's entry is listed (the store lists only what is on disk)
+        return any(e.entry_id not in before and e.rungs for e in client.list_cache().entries)
+
+    assert wait_for(saved, timeout=20)
     os.kill(backend.pids()["store"], signal.SIGKILL)
     during = list(client.generate(PROMPTS[2], max_tokens=12, timeout=60))  # still served
     assert _tokens(during) == reference(PROMPTS[2], 12)
