@@ -63,10 +63,10 @@ def reference(pair):
 
 @pytest.fixture(scope="module")
 def server(pair, tmp_path_factory):
-    from sanctum.cluster.actors import start_cluster
+    from sanctum.cluster.actors import LOCAL_RAY_SYSTEM_CONFIG, start_cluster
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             namespace=f"test-api-{os.getpid()}")  # fmt: skip
+             namespace=f"test-api-{os.getpid()}", _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # fmt: skip
     settings = serve_settings(pair[0], pair[1], cache_dir=str(tmp_path_factory.mktemp("cache")),
                               max_active=8, max_queue=8, env={})  # fmt: skip
     backend = start_cluster(settings)
@@ -300,8 +300,9 @@ def test_queue_full_and_message_limit(pair, tmp_path):
         srv.ready(120)
         with Client(srv.address) as c:
             assert c.stats().mode == "inline"
-            busy = [c.stream(make_request(PROMPTS[i], max_tokens=3000)) for i in range(2)]
-            next(busy[0])
+            busy = [c.stream(make_request(PROMPTS[0], max_tokens=3000))]
+            next(busy[0])  # decoding; only then the second (else it may be admitted first)
+            busy.append(c.stream(make_request(PROMPTS[1], max_tokens=3000)))
             assert wait_for(lambda: c.stats().waiting == 1)
             with pytest.raises(grpc.RpcError) as err:
                 list(c.generate(PROMPTS[2], max_tokens=4, timeout=30))

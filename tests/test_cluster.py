@@ -101,22 +101,34 @@ def test_socket_channel_roundtrip_growth_and_disconnect():
     server = SocketServer(lambda: handle, on_disconnect=lambda client: gone.set())
     server.wait_ready(10)
     ch = ShmChannel(server.address, server.authkey, timeout_s=10)
+
+    def draft(start):
+        return roles.DraftRequest(draft=roles.DraftCall(seq_id="s", start=start))
+
     try:
         embeds = mx.arange(8 * 16, dtype=mx.float32).reshape(8, 16)
-        req = roles.DraftRequest(draft=roles.DraftCall(seq_id="s", start=3))
-        _, hidden, moved = ch.call(req, [embeds])
-        assert (
-            mx.array_equal(hidden, embeds[1:] * 2).item() and moved == embeds.nbytes + hidden.nbytes
-        )
-        taps = mx.ones((1024, 1024), mx.float32)  # 4 MiB: the 1 MiB slot grows
-        req = roles.DraftRequest(draft=roles.DraftCall(seq_id="s", start=1030))
-        _, hidden, _ = ch.call(req, [taps, embeds])
-        assert (
-            ch.slot.size >= taps.nbytes and mx.allclose(hidden, embeds[1:] * 2 + 1024 * 1024).item()
-        )
+        out = 7 * 16 * 4  # the reply's bytes
+        a = ch.call(draft(3), [embeds], out)
+        assert mx.array_equal(a.hidden, embeds[1:] * 2).item()
+        assert a.moved == embeds.nbytes + a.hidden.nbytes
+        # requests in flight together: each its own region, collected in any order, one dropped
+        ids = [ch.submit(draft(i), [embeds + i], out) for i in range(3)]
+        ch.discard(ids[1])
+        later, first = ch.collect(ids[2]), ch.collect(ids[0])
+        assert mx.array_equal(later.hidden, (embeds + 2)[1:] * 2).item()
+        assert mx.array_equal(first.hidden, embeds[1:] * 2).item()
+        # a 4 MiB request outgrows the 1 MiB slot while a small one is in flight in the old slot
+        small = ch.submit(draft(5), [embeds + 5], out)
+        taps = mx.ones((1024, 1024), mx.float32)
+        big = ch.submit(draft(1030), [taps, embeds], out)
+        assert ch.slot.size >= taps.nbytes
+        hidden = ch.collect(big).hidden
+        assert mx.allclose(hidden, embeds[1:] * 2 + 1024 * 1024).item()
+        assert mx.array_equal(ch.collect(small).hidden, (embeds + 5)[1:] * 2).item()
+        assert not ch._in_flight and not ch._arrived and not ch._retired  # all regions freed
         with pytest.raises(AuthenticationError):  # a wrong key gets nothing
             ShmChannel(server.address, b"wrong" * 7)
-        assert mx.array_equal(ch.call(req, [taps, embeds])[1], hidden).item()  # still serving
+        assert mx.array_equal(ch.call(draft(1030), [taps, embeds], out).hidden, hidden).item()
     finally:
         ch.close()
         assert gone.wait(5)
@@ -258,11 +270,11 @@ ray = pytest.importorskip("ray")
 def cluster(pair, tmp_path_factory):
     from sanctum.api.client import Client
     from sanctum.api.server import Server
-    from sanctum.cluster.actors import start_cluster
+    from sanctum.cluster.actors import LOCAL_RAY_SYSTEM_CONFIG, start_cluster
     from sanctum.cluster.backend import serve_settings
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             namespace=f"test-cluster-{os.getpid()}")  # fmt: skip
+             namespace=f"test-cluster-{os.getpid()}", _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # fmt: skip
     settings = serve_settings(
         pair[0], pair[1], cache_dir=str(tmp_path_factory.mktemp("store")), env={}
     )
@@ -306,6 +318,8 @@ def test_drafter_transports_give_the_engine_output(cluster, engine, pair, transp
         and s["draft_calls"] == len(chunks) - 1
         and s["bytes_per_call"] > 0
     )
+    # the role processes run at normal priority (Ray's default would be niceness 15)
+    assert all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid in backend.pids().values())
 
 
 @pytest.mark.slow

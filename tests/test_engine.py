@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 from sanctum.engine.drafter import load_drafter
 from sanctum.engine.sampling import SamplingParams
-from sanctum.engine.speculative import Decoder, LocalDraftPeer, generate, make_key
+from sanctum.engine.speculative import (
+    Decoder,
+    DraftUnavailable,
+    LocalDraftPeer,
+    generate,
+    make_key,
+)
 from sanctum.engine.target import cache_offset, load_target
 
 PROMPT = "def fibonacci(n):\n    "
@@ -53,6 +59,76 @@ def test_speculative_greedy_equals_plain_greedy(make_pair, kind, drafter_kind, b
     steps = list(generate(target, ids, drafter=drafter, max_tokens=40, kv_mode=kv, eos_ids=set()))
     assert tokens_of(steps) == plain_greedy(target, kind, kv)
     assert all(s.stats.bs == block for s in steps[1:])
+
+
+class PipelinedLocalPeer(LocalDraftPeer):
+    """A pipelined peer in one process (as the cluster's is): `submit` records the call, `collect`
+    runs it. It checks the decoder's bookkeeping: every context row reaches the drafter exactly
+    once and in order, whatever was prefetched, collected, failed or discarded."""
+
+    pipelined = True
+
+    def __init__(self, drafter, fail_at=()):
+        super().__init__(drafter)
+        self.calls, self.fail_at, self.rows = 0, set(fail_at), {}
+        self.collected = self.discarded = 0
+
+    def open(self, seq_id):
+        if seq_id not in self.caches:  # a session that survives a failure (as a replayed one)
+            super().open(seq_id)
+            self.rows[seq_id] = 0
+
+    def submit(self, seq_id, new_taps, block_embeds, start):
+        self.calls += 1
+        return self.calls, (seq_id, new_taps, block_embeds, start)
+
+    def collect(self, handle):
+        n, (seq_id, taps, embeds, start) = handle
+        if n in self.fail_at:
+            raise DraftUnavailable("injected: the drafter went away during this call")
+        self.collected += 1
+        return self.draft(seq_id, taps, embeds, start)
+
+    def draft(self, seq_id, new_taps, block_embeds, start):
+        sent = new_taps.shape[0] if new_taps is not None else 0
+        assert start - sent == self.rows[seq_id], "a context row was lost or sent twice"
+        self.rows[seq_id] = start
+        return super().draft(seq_id, new_taps, block_embeds, start)
+
+    def discard(self, handle):
+        self.discarded += 1
+
+
+@pytest.mark.parametrize("drafter_kind", ["dflash", "dflash2"])
+def test_pipelined_peer_prefetch_is_lossless_and_recovers(make_pair, drafter_kind):
+    """Drafts asked for a round ahead (the cluster's peer): greedy output still equals plain
+    greedy, with calls failing mid-request (those rounds step plainly; their context rows are
+    sent again), and a request that ends with a prefetch in flight discards it."""
+    target, drafter = load_pair(make_pair, "hybrid", drafter_kind)
+    ids = target.tokenizer.encode(PROMPT)
+    for fail_at in ((), (2, 5, 6)):
+        peer = PipelinedLocalPeer(drafter, fail_at)
+        decoder = Decoder(target, drafter, peer)
+        assert decoder.pipelined
+        seq, steps = run_decoder(decoder, target, ids, 40)
+        assert tokens_of(steps) == plain_greedy(target, "hybrid", "fp16")
+        plain = [s for s in steps[1:] if s.stats.bs == 1]
+        assert len(plain) == len(fail_at)  # each failed call: that round steps plainly
+        # every other round used its prefetched draft, but the one after each plain step
+        assert peer.collected == len(steps) - 1 - 2 * len(plain)
+        # the last round asked for nothing (the request had ended): nothing to discard
+        decoder.close(seq)
+        assert peer.discarded == 0 and seq.prefetch is None
+    # a request closed (cancelled) between rounds drops its prefetched draft
+    peer = PipelinedLocalPeer(drafter)
+    decoder = Decoder(target, drafter, peer)
+    seq = decoder.new_sequence("c")
+    logits = decoder.prefill(seq, ids)
+    decoder.start(seq, logits, SamplingParams(), 40, set(), make_key(0))
+    decoder.step(seq, SamplingParams(), 40, set(), make_key(0))
+    assert seq.prefetch is not None
+    decoder.close(seq)
+    assert peer.discarded == 1 and seq.prefetch is None
 
 
 class ScriptedDecoder(Decoder):

@@ -234,7 +234,9 @@ def serve(settings, host: str, port: int, inline: bool = False, drain_timeout: f
         import ray
 
         address = os.environ.get("RAY_ADDRESS") or None
-        local = {}
+        from ..cluster.actors import LOCAL_RAY_SYSTEM_CONFIG
+
+        local = {} if address else {"_system_config": LOCAL_RAY_SYSTEM_CONFIG}
         if not address and os.environ.get("SANCTUM_OBJECT_STORE_BYTES"):
             local["object_store_memory"] = int(os.environ["SANCTUM_OBJECT_STORE_BYTES"])
         # before the gRPC server starts: Ray forks its processes, gRPC prefers no fork after start

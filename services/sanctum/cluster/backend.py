@@ -30,7 +30,7 @@ class ServeSettings:
     max_queue: int = 64  # more requests may wait; beyond that RESOURCE_EXHAUSTED
     max_tokens_limit: int = 4096
     transport: str = "auto"  # drafter transport: auto (by Ray node) | shm | object_store
-    round_delay_s: float = 0.0  # benchmark knob: emulate a slower target round
+    round_delay_s: float = 0.0  # benchmark/test knob: a slower target (a sleep in every verify)
     resources: dict = field(default_factory=dict)  # role -> Ray custom resources (placement)
 
 
@@ -95,8 +95,10 @@ def make_verifier(settings: ServeSettings, store, remote_peer=None):
             e.drafter, target, block_size=e.block_size, bits=e.drafter_bits, parts=parts
         )
         peer = remote_peer() if remote_peer is not None else LocalDraftPeer(drafter)
-    return Verifier(target, drafter, peer, store, settings.cache.ladder_depth, e.kv_mode,
-                    e.block_size, settings.max_tokens_limit)  # fmt: skip
+    verifier = Verifier(target, drafter, peer, store, settings.cache.ladder_depth, e.kv_mode,
+                        e.block_size, settings.max_tokens_limit)  # fmt: skip
+    verifier.decoder.verify_delay_s = settings.round_delay_s
+    return verifier
 
 
 def stats_message(
@@ -113,12 +115,18 @@ def stats_message(
         drafter_available=bool(e.drafter) and (peer is None or peer.available),
         transport="inline" if peer is None else peer.kind,
     )  # fmt: skip
+    rounds = max(1, m.rounds)
+    out.round_draft_ms, out.round_verify_ms, out.round_rollback_ms, out.round_other_ms = (
+        1000.0 * m.round_s[k] / rounds for k in ("draft", "verify", "rollback", "other")
+    )
     if peer is not None:
         s = peer.summary()
         out.draft_calls = s["draft_calls"]
         out.transport_ms_per_round = s["transport_ms_per_call"]
         out.transport_bytes_per_round = s["bytes_per_call"]
         out.drafter_compute_ms_per_round = s["drafter_compute_ms_per_call"]
+        out.drafter_wait_ms_per_round = s["drafter_wait_ms_per_call"]
+        out.overlapped_draft_calls = s["hidden_calls"]
     return out
 
 
@@ -138,9 +146,7 @@ class InlineBackend:
             self.store = PromptStore(settings.cache.max_bytes, settings.cache.directory)
             return make_verifier(settings, self.store)
 
-        self.scheduler = Scheduler(
-            load, settings.max_active, settings.max_queue, settings.round_delay_s
-        )
+        self.scheduler = Scheduler(load, settings.max_active, settings.max_queue)
 
     def ready(self, timeout: float | None = None) -> None:
         """Block until the models are loaded (raises if loading failed)."""

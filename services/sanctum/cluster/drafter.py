@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -76,6 +77,16 @@ class DraftService:
         return len(self.peer.caches)
 
 
+@dataclass
+class PendingDraft:
+    """A draft request in flight on the channel."""
+
+    call_id: int
+    generation: int  # the connection it was sent on
+    seq_id: str
+    new_taps: mx.array | None  # context rows it carries (remembered for replay once answered)
+
+
 class RemoteDraftPeer:
     """The engine's DraftPeer, talking to a drafter actor (see the module docstring)."""
 
@@ -95,7 +106,8 @@ class RemoteDraftPeer:
         self.sessions: dict[str, int] = {}  # seq_id -> generation it was opened on
         self.replay: OrderedDict[str, list[mx.array]] = OrderedDict()  # taps already sent
         self.needs_replay: set[str] = set()
-        self.stats = {"calls": 0, "transport_s": 0.0, "compute_s": 0.0, "bytes": 0, "reconnects": 0,
+        self.stats = {"calls": 0, "compute_s": 0.0, "wait_s": 0.0, "submit_s": 0.0, "hidden": 0,
+                      "latency_calls": 0, "transport_s": 0.0, "bytes": 0, "reconnects": 0,
                       "failures": 0}  # fmt: skip
         self.info: roles.DrafterInfo | None = None
         self._lock = threading.Lock()
@@ -174,24 +186,23 @@ class RemoteDraftPeer:
                 raise DraftUnavailable("the drafter is restarting")
         return self.channel
 
-    def _call(self, req: roles.DraftRequest, arrays: list[mx.array]):
-        """One request; returns (hidden or None, seconds outside the drafter's compute, bytes)."""
-        channel = self._channel()
-        mx.eval(arrays)  # the taps/embeddings' own compute is not transport (inline does it too)
-        t0 = time.perf_counter()
-        try:
-            reply, hidden, moved = channel.call(req, arrays)
-        except ChannelBroken as exc:
-            raise self._broken(exc) from None
+    def _check(self, answer) -> None:
+        reply = answer.reply
         if reply.not_open or reply.error:
             raise DraftUnavailable(reply.error or "sequence not open on the drafter")
-        overhead = max(0.0, time.perf_counter() - t0 - reply.compute_ms / 1000.0)
-        self.stats["compute_s"] += reply.compute_ms / 1000.0
-        return hidden, overhead, moved + req.ByteSize() + reply.ByteSize()
+
+    def _call(self, req: roles.DraftRequest) -> None:
+        """A control request (open, close), answered before this returns."""
+        try:
+            self._check(self._channel().call(req, []))
+        except ChannelBroken as exc:
+            raise self._broken(exc) from None
 
     # ---- DraftPeer ---------------------------------------------------------------------------
+    pipelined = True  # submit, then collect: the verifier works while the drafter computes
+
     def open(self, seq_id: str) -> None:
-        self._call(roles.DraftRequest(open=roles.DraftOpen(seq_id=seq_id)), [])
+        self._call(roles.DraftRequest(open=roles.DraftOpen(seq_id=seq_id)))
         self.sessions[seq_id] = self.generation
         if self.replay.get(seq_id):
             self.needs_replay.add(seq_id)  # a fresh session: send the context seen so far again
@@ -200,10 +211,10 @@ class RemoteDraftPeer:
         while len(self.replay) > self.MAX_REPLAY_SEQS:
             self.replay.popitem(last=False)
 
-    def draft(
+    def submit(
         self, seq_id: str, new_taps: mx.array | None, block_embeds: mx.array, start: int
-    ) -> mx.array:
-        """new_taps [C, n_taps*H], block_embeds [L, H] -> hidden [L-1, H]."""
+    ) -> PendingDraft:
+        """Send a draft request; `collect` its hidden states [L-1, H] later."""
         if self.sessions.get(seq_id) != self.generation or self.channel is None:
             self.open(seq_id)  # the drafter restarted since: a fresh session, context replayed
         send = new_taps
@@ -211,22 +222,62 @@ class RemoteDraftPeer:
             history = self.replay.get(seq_id, [])
             send = mx.concatenate(history + ([new_taps] if new_taps is not None else []))
         arrays = [send, block_embeds] if send is not None else [block_embeds]
+        mx.eval(arrays)  # the taps/embeddings' own compute is not transport (inline does it too)
+        # room for the reply: [L-1, H] hidden states, at most 4 bytes an element
+        reply_bytes = 4 * block_embeds.shape[0] * block_embeds.shape[-1]
         call = roles.DraftCall(seq_id=seq_id, start=int(start))
-        hidden, overhead, moved = self._call(roles.DraftRequest(draft=call), arrays)
-        self.stats["calls"] += 1
-        self.stats["transport_s"] += overhead
-        self.stats["bytes"] += moved
-        self.needs_replay.discard(seq_id)
-        if new_taps is not None and self.replay_rows > 0:
-            self._remember(seq_id, new_taps)
-        return hidden
+        t0 = time.perf_counter()
+        try:
+            call_id = self._channel().submit(roles.DraftRequest(draft=call), arrays, reply_bytes)
+        except ChannelBroken as exc:
+            raise self._broken(exc) from None
+        self.stats["submit_s"] += time.perf_counter() - t0
+        self.needs_replay.discard(seq_id)  # a failure from here on reopens, and replays again
+        return PendingDraft(call_id, self.generation, seq_id, new_taps)
+
+    def collect(self, pending: PendingDraft) -> mx.array:
+        """The hidden states of a submitted draft (waits for them)."""
+        if pending.generation != self.generation or self.channel is None:
+            raise DraftUnavailable("the drafter restarted while drafting")
+        try:
+            answer = self.channel.collect(pending.call_id)
+        except ChannelBroken as exc:
+            raise self._broken(exc) from None
+        self._check(answer)
+        compute = answer.reply.compute_ms / 1000.0
+        s = self.stats
+        s["calls"] += 1
+        s["compute_s"] += compute
+        s["bytes"] += answer.moved
+        if answer.waited_s is None:
+            s["hidden"] += 1  # the reply had come while the verifier was busy: no wait at all
+        else:
+            s["wait_s"] += answer.waited_s
+            # waited for all of it (the call was sent just before): the channel's own latency
+            if answer.waited_s >= compute:
+                s["latency_calls"] += 1
+                s["transport_s"] += answer.waited_s - compute
+        if pending.new_taps is not None and self.replay_rows > 0:
+            self._remember(pending.seq_id, pending.new_taps)
+        return answer.hidden
+
+    def discard(self, pending: PendingDraft) -> None:
+        """Drop a submitted draft nobody will collect (the request ended)."""
+        if pending.generation == self.generation and self.channel is not None:
+            self.channel.discard(pending.call_id)
+
+    def draft(
+        self, seq_id: str, new_taps: mx.array | None, block_embeds: mx.array, start: int
+    ) -> mx.array:
+        """new_taps [C, n_taps*H], block_embeds [L, H] -> hidden [L-1, H]."""
+        return self.collect(self.submit(seq_id, new_taps, block_embeds, start))
 
     def close(self, seq_id: str) -> None:
         self.replay.pop(seq_id, None)
         self.needs_replay.discard(seq_id)
         if self.sessions.pop(seq_id, None) == self.generation and self.channel is not None:
             try:
-                self._call(roles.DraftRequest(close=roles.DraftClose(seq_id=seq_id)), [])
+                self._call(roles.DraftRequest(close=roles.DraftClose(seq_id=seq_id)))
             except DraftUnavailable:
                 pass
 
@@ -238,13 +289,18 @@ class RemoteDraftPeer:
             self.replay[seq_id] = [mx.concatenate(history)[-self.replay_rows :]]
 
     def summary(self) -> dict:
-        calls = max(1, self.stats["calls"])
+        s = self.stats
+        calls = max(1, s["calls"])
         return {
             "available": self.available,
             "transport": self.kind,
-            "draft_calls": self.stats["calls"],
-            "transport_ms_per_call": 1000.0 * self.stats["transport_s"] / calls,
-            "drafter_compute_ms_per_call": 1000.0 * self.stats["compute_s"] / calls,
-            "bytes_per_call": self.stats["bytes"] / calls,
-            "reconnects": self.stats["reconnects"],
+            "draft_calls": s["calls"],
+            # the channel's latency (round trip minus compute), from calls waited on whole
+            "transport_ms_per_call": 1000.0 * s["transport_s"] / max(1, s["latency_calls"]),
+            "drafter_compute_ms_per_call": 1000.0 * s["compute_s"] / calls,
+            # what the verifier's thread really spent on the drafter: sending plus waiting
+            "drafter_wait_ms_per_call": 1000.0 * (s["wait_s"] + s["submit_s"]) / calls,
+            "hidden_calls": s["hidden"],  # answered before the verifier asked: fully overlapped
+            "bytes_per_call": s["bytes"] / calls,
+            "reconnects": s["reconnects"],
         }

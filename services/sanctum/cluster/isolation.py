@@ -3,9 +3,11 @@
 The same greedy requests run on the inline backend (roles as objects in this process) and on
 the actor cluster, alternating, in one run; both without the prompt cache so they do the same
 work. Reports tok/s of each, the tax (1 - cluster/inline), and the drafter channel's cost per
-round (round trip minus the drafter's compute, and bytes moved both ways) from the verifier's
-counters. `--round-delay-ms` adds a sleep to every round in BOTH modes (the scheduler's knob) to
-emulate a slower target: the transport cost stays, the round grows.
+round (latency, what the verifier still waits with drafts asked a round ahead, bytes moved both
+ways) from the verifier's
+counters, and where each mode's round time goes. `--round-delay-ms` adds a sleep to every
+target forward in BOTH modes to emulate a slower target: the split's cost stays, the round grows
+(the sleep sits inside verify, where a real target spends its time, not where drafts overlap).
 """
 
 from __future__ import annotations
@@ -64,6 +66,17 @@ def _quartiles(xs: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
+def _round_phases(before, after) -> dict:
+    """Mean ms per round of each phase between two StatsResponses."""
+    rounds = max(1, after.rounds - before.rounds)
+    out = {}
+    for phase in ("draft", "verify", "rollback", "other"):
+        field = f"round_{phase}_ms"
+        total = getattr(after, field) * after.rounds - getattr(before, field) * before.rounds
+        out[phase] = round(total / rounds, 3)
+    return out
+
+
 def _run(backend, prompt: str, max_tokens: int):
     from ..requests import GenerateRequest
 
@@ -79,7 +92,7 @@ def _run(backend, prompt: str, max_tokens: int):
 def run(args) -> dict:
     import ray
 
-    from .actors import start_cluster
+    from .actors import LOCAL_RAY_SYSTEM_CONFIG, start_cluster
     from .backend import InlineBackend, serve_settings
 
     settings = serve_settings(args.model, args.drafter, args.block_size, args.bits, args.kv,
@@ -88,7 +101,8 @@ def run(args) -> dict:
     prompts = args.prompts or list(DEFAULT_PROMPTS)
     inline = InlineBackend(settings)
     inline.ready()
-    ray.init(namespace=f"sanctum-bench-{os.getpid()}", include_dashboard=False, log_to_driver=False)
+    ray.init(namespace=f"sanctum-bench-{os.getpid()}", include_dashboard=False,
+             log_to_driver=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # fmt: skip
     try:
         cluster = start_cluster(settings)
         cluster.ready(600)
@@ -97,7 +111,7 @@ def run(args) -> dict:
                 _run(backend, prompt, 16)
         pids = {"inline": [os.getpid()], "cluster": [os.getpid(), *cluster.pids().values()]}
         cpu = {"inline": 0.0, "cluster": 0.0}
-        before = cluster.stats()
+        before = {"inline": inline.stats(), "cluster": cluster.stats()}
         # tokens, rounds, seconds seen by the caller, seconds inside the verifier (open..last chunk)
         totals = {"inline": [0, 0, 0.0, 0.0], "cluster": [0, 0, 0.0, 0.0]}
         ratios = []  # cluster tok/s / inline tok/s of the same prompt, run back to back
@@ -120,22 +134,21 @@ def run(args) -> dict:
                         totals[name][k] += v
                 identical &= outs["inline"] == outs["cluster"]
                 ratios.append(speed["cluster"] / speed["inline"])
-        after = cluster.stats()
+        after = {"inline": inline.stats(), "cluster": cluster.stats()}
         cluster.close()
     finally:
         ray.shutdown()
         inline.close()
+    phases = {name: _round_phases(before[name], after[name]) for name in before}
+    before, after = before["cluster"], after["cluster"]
     calls = after.draft_calls - before.draft_calls
-    ms = (
-        after.transport_ms_per_round * after.draft_calls
-        - before.transport_ms_per_round * before.draft_calls
-    )
-    compute = (
-        after.drafter_compute_ms_per_round * after.draft_calls
-        - before.drafter_compute_ms_per_round * before.draft_calls
-    )
-    nbytes = (after.transport_bytes_per_round * after.draft_calls
-              - before.transport_bytes_per_round * before.draft_calls)  # fmt: skip
+
+    def per_call(field: str) -> float:  # the mean of a per-call figure over the timed runs
+        total = (
+            getattr(after, field) * after.draft_calls - getattr(before, field) * before.draft_calls
+        )
+        return total / max(1, calls)
+
     tok_s = {k: v[0] / v[2] for k, v in totals.items()}
     return {
         "model": settings.engine.model,
@@ -164,9 +177,16 @@ def run(args) -> dict:
         # tok/s undisturbed by other load on the machine (Linux only)
         "inline_cpu_ms_per_token": _per_token(cpu["inline"], totals["inline"][0]),
         "cluster_cpu_ms_per_token": _per_token(cpu["cluster"], totals["cluster"][0]),
+        # where a round's time goes on the verifier, in each mode (ms per round)
+        "inline_round_phases_ms": phases["inline"],
+        "cluster_round_phases_ms": phases["cluster"],
         "draft_calls": calls,
-        "transport_ms_per_round": round(ms / max(1, calls), 4),
-        "drafter_compute_ms_per_round": round(compute / max(1, calls), 4),
-        "transport_bytes_per_round": round(nbytes / max(1, calls)),
+        # drafts overlap the verifier's rollback and streaming (asked for a round ahead):
+        "overlapped_draft_calls": after.overlapped_draft_calls - before.overlapped_draft_calls,
+        "drafter_wait_ms_per_round": round(per_call("drafter_wait_ms_per_round"), 4),
+        "drafter_compute_ms_per_round": round(per_call("drafter_compute_ms_per_round"), 4),
+        # the channel's own latency (round trip minus compute; since start, warm-up included)
+        "transport_ms_per_round": round(after.transport_ms_per_round, 4),
+        "transport_bytes_per_round": round(per_call("transport_bytes_per_round")),
         "greedy_outputs_identical": identical,
     }

@@ -90,13 +90,12 @@ class Scheduler:
     `load()` builds the verifier ON the worker thread: MLX streams belong to the thread that
     created them, so the thread that loads the models is the one that runs them."""
 
-    def __init__(self, load, max_active: int = 8, max_queue: int = 64, round_delay_s: float = 0.0):
+    def __init__(self, load, max_active: int = 8, max_queue: int = 64):
         self.verifier = None
         self._ready = threading.Event()
         self._parked = threading.Event()
         self._load_error: BaseException | None = None
         self.max_active, self.max_queue = max(1, max_active), max(0, max_queue)
-        self.round_delay_s = round_delay_s  # emulates a slower target in benchmarks only
         self._cv = threading.Condition()
         self._waiting: deque[Ticket] = deque()
         self._active: dict[str, tuple[object, Ticket]] = {}
@@ -261,8 +260,6 @@ class Scheduler:
             return self._finish(
                 request_id, ticket, InternalError(f"{exc.__class__.__name__}: {exc}")
             )
-        if self.round_delay_s:
-            time.sleep(self.round_delay_s)
         ticket.items.put(chunk)
         if act.finished:
             self._close(act)

@@ -12,6 +12,10 @@ block's input embeddings, the drafter's hidden states) takes one of two paths, c
 - across hosts (`ObjectStoreChannel`): the same messages as actor calls, the tensors as numpy
   arrays put in the Ray object store.
 
+Both channels let requests overlap (`submit`, then `collect`): the verifier asks for a
+sequence's next block as soon as it knows the accepted tokens, and rolls back its caches and
+streams the round's tokens while the drafter computes (speculative.py, "pipelined" peers).
+
 A TensorRef's offset is a byte offset into the slot, or an index into the array list.
 bfloat16, which numpy lacks, travels as its uint16 bit pattern. Shared-memory names stay under
 macOS's 30-character limit; slots grow on demand (a prompt's taps can be large).
@@ -25,6 +29,8 @@ import os
 import queue
 import secrets
 import threading
+import time
+from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.connection import Client, Listener, wait
 
@@ -238,8 +244,14 @@ class SocketServer:
             slot = state[1]
             reply, hidden = self.handle(state[0], req, slot.read if slot else None)
             if hidden is not None:
-                (ref,) = slot.write([hidden])
-                reply.hidden.CopyFrom(ref)
+                call = req.draft
+                if hidden.nbytes > call.reply_capacity:  # the verifier reserved too little
+                    reply = roles.DraftReply(error=f"hidden states of {hidden.nbytes} bytes do "
+                                             f"not fit the {call.reply_capacity} reserved")  # fmt: skip
+                else:
+                    (ref,) = slot.write([hidden], call.reply_offset)
+                    reply.hidden.CopyFrom(ref)
+        reply.call_id = req.call_id
         try:
             conn.send_bytes(reply.SerializeToString())
         except OSError:
@@ -258,9 +270,32 @@ class SocketServer:
 # ---- verifier side -----------------------------------------------------------------------
 
 
+@dataclass
+class Answer:
+    """A collected reply: the DraftReply, the hidden states it carried (copied out of the slot),
+    bytes moved both ways, and how long the caller waited for it (None: it had already come)."""
+
+    reply: roles.DraftReply
+    hidden: mx.array | None
+    moved: int
+    waited_s: float | None
+
+
+@dataclass
+class _InFlight:
+    slot: Slot
+    offset: int
+    size: int
+    sent_bytes: int
+    discard: bool = False
+
+
 class ShmChannel:
-    """The verifier's end of a same-host drafter channel: one request in flight at a time
-    (the verifier's decode thread is the only caller)."""
+    """The verifier's end of a same-host drafter channel. Requests may overlap (`submit` now,
+    `collect` later): each gets its own region of the slot, which holds its inputs and then the
+    reply's hidden states, and a call id that its reply echoes. Replies come back in order; one
+    read while waiting for another is kept until collected. Only the verifier's decode thread
+    calls it (a lock guards it anyway)."""
 
     kind = "shm"
 
@@ -268,54 +303,137 @@ class ShmChannel:
         self.timeout_s = timeout_s
         self.conn = Client(address, family="AF_UNIX", authkey=authkey)
         self.slot: Slot | None = None
-        self._lock = threading.Lock()
+        self._retired: list[Slot] = []  # outgrown slots that replies in flight still point into
+        self._next_id = 0
+        self._in_flight: dict[int, _InFlight] = {}
+        self._arrived: dict[int, roles.DraftReply] = {}
+        self._lock = threading.RLock()
 
-    def _ensure(self, nbytes: int) -> None:
-        if self.slot is not None and self.slot.size >= nbytes:
-            return
+    # ---- slot regions ------------------------------------------------------------------------
+    def _allocate(self, nbytes: int) -> int:
+        """First fit among the regions in flight in the current slot; grows the slot if none."""
+        nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        if self.slot is not None:
+            used = sorted((f.offset, f.offset + f.size) for f in self._in_flight.values()
+                          if f.slot is self.slot)  # fmt: skip
+            at = 0
+            for lo, hi in used:
+                if lo - at >= nbytes:
+                    return at
+                at = max(at, hi)
+            if self.slot.size - at >= nbytes:
+                return at
+        in_use = sum(f.size for f in self._in_flight.values() if f.slot is self.slot)
+        self._grow(2 * (in_use + nbytes))
+        return 0
+
+    def _grow(self, nbytes: int) -> None:
         size = max(MIN_SLOT_BYTES, 1 << max(0, nbytes - 1).bit_length())
         old, self.slot = self.slot, Slot(size)
+        # the drafter switches slots after answering what was sent before: in order
         attach = roles.DraftAttach(shm_name=self.slot.name, size=self.slot.size)
-        self._roundtrip(roles.DraftRequest(attach=attach))
+        self.collect(self._send(roles.DraftRequest(attach=attach), self.slot, 0, 0, 0))
         self.slot.unlink()  # both sides have it mapped: the name is no longer needed
         if old is not None:
+            self._retired.append(old)
+            self._close_retired()
+
+    def _close_retired(self) -> None:
+        busy = {id(f.slot) for f in self._in_flight.values()}
+        for old in [s for s in self._retired if id(s) not in busy]:
+            self._retired.remove(old)
             old.close()
 
-    def _roundtrip(self, req: roles.DraftRequest) -> bytes:
+    # ---- requests ----------------------------------------------------------------------------
+    def _send(self, req, slot, offset: int, size: int, sent_bytes: int) -> int:
+        self._next_id += 1
+        req.call_id = self._next_id
         try:
             self.conn.send_bytes(req.SerializeToString())
+        except OSError as exc:
+            raise ChannelBroken(f"drafter connection lost: {exc.__class__.__name__}") from None
+        self._in_flight[req.call_id] = _InFlight(slot, offset, size, sent_bytes)
+        return req.call_id
+
+    def submit(self, req: roles.DraftRequest, arrays: list[mx.array], reply_bytes: int = 0) -> int:
+        """Send `req` with `arrays` placed in the slot (their TensorRefs are filled in, in the
+        order of `req`'s tensor fields) and room for a reply of `reply_bytes`; returns its id."""
+        with self._lock:
+            size = max(Slot.bytes_needed(arrays), reply_bytes)
+            offset = self._allocate(size) if size else 0
+            refs = self.slot.write(arrays, offset) if arrays else []
+            _fill_refs(req, refs)
+            if req.WhichOneof("op") == "draft":
+                req.draft.reply_offset, req.draft.reply_capacity = offset, size
+            sent = sum(a.nbytes for a in arrays)
+            return self._send(req, self.slot, offset, size if arrays or reply_bytes else 0, sent)
+
+    def collect(self, call_id: int) -> Answer:
+        """The reply to `call_id` (waits for it); frees its region."""
+        with self._lock:
+            waited = None
+            if call_id not in self._arrived:
+                t0 = time.perf_counter()
+                while call_id not in self._arrived:
+                    self._read_one()
+                waited = time.perf_counter() - t0
+            return self._answer(call_id, waited)
+
+    def call(self, req: roles.DraftRequest, arrays: list[mx.array], reply_bytes: int = 0) -> Answer:
+        return self.collect(self.submit(req, arrays, reply_bytes))
+
+    def discard(self, call_id: int) -> None:
+        """Not interested in this reply any more: its region is freed once it has come."""
+        with self._lock:
+            if call_id in self._arrived:
+                self._arrived.pop(call_id)
+                self._release(call_id)
+            elif call_id in self._in_flight:
+                self._in_flight[call_id].discard = True
+
+    def _read_one(self) -> None:
+        try:
             if not self.conn.poll(self.timeout_s):
                 raise ChannelBroken(f"the drafter did not answer within {self.timeout_s:.0f} s")
-            return self.conn.recv_bytes()
+            reply = roles.DraftReply.FromString(self.conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise ChannelBroken(f"drafter connection lost: {exc.__class__.__name__}") from None
+        flight = self._in_flight.get(reply.call_id)
+        if flight is None:
+            raise ChannelBroken(f"the drafter answered an unknown call {reply.call_id}")
+        if flight.discard:
+            self._release(reply.call_id)
+        else:
+            self._arrived[reply.call_id] = reply
 
-    def call(
-        self, req: roles.DraftRequest, arrays: list[mx.array]
-    ) -> tuple[roles.DraftReply, mx.array | None, int]:
-        """Send `req` with `arrays` placed in the slot (their TensorRefs are filled in, in the
-        order of `req`'s tensor fields); returns (reply, hidden, bytes moved)."""
-        with self._lock:
-            self._ensure(Slot.bytes_needed(arrays))
-            refs = self.slot.write(arrays)
-            _fill_refs(req, refs)
-            data = self._roundtrip(req)
-            reply = roles.DraftReply.FromString(data)
-            hidden = self.slot.read(reply.hidden) if reply.HasField("hidden") else None
-            moved = sum(a.nbytes for a in arrays) + (hidden.nbytes if hidden is not None else 0)
-            return reply, hidden, moved
+    def _release(self, call_id: int) -> _InFlight:
+        flight = self._in_flight.pop(call_id)
+        if flight.slot is not self.slot:
+            self._close_retired()
+        return flight
+
+    def _answer(self, call_id: int, waited: float | None = None) -> Answer:
+        reply = self._arrived.pop(call_id)
+        flight = self._in_flight[call_id]
+        hidden = flight.slot.read(reply.hidden) if reply.HasField("hidden") else None  # copies
+        self._release(call_id)
+        moved = flight.sent_bytes + (hidden.nbytes if hidden is not None else 0)
+        return Answer(reply, hidden, moved, waited)
 
     def close(self) -> None:
         try:
             self.conn.close()
         except OSError:
             pass
-        if self.slot is not None:
-            self.slot.close()
+        for slot in [*self._retired, self.slot]:
+            if slot is not None:
+                slot.close()
+        self._retired, self.slot = [], None
 
 
 class ObjectStoreChannel:
-    """Across hosts: each request is an actor call whose tensors go through the object store."""
+    """Across hosts: each request is an actor call whose tensors go through the object store.
+    Requests may overlap as on the shared-memory channel (the call's ObjectRef is the handle)."""
 
     kind = "object_store"
 
@@ -323,33 +441,49 @@ class ObjectStoreChannel:
         self.handle = handle
         self.client = f"o{secrets.token_hex(4)}"
         self.timeout_s = timeout_s
+        self._next_id = 0
+        self._in_flight: dict[int, tuple] = {}  # call id -> (ObjectRef, bytes sent)
 
-    def call(self, req, arrays):
+    def submit(self, req, arrays, reply_bytes: int = 0) -> int:
         import ray
 
         refs = [roles.TensorRef(offset=i, shape=a.shape, dtype=dtype_name(a.dtype))
                 for i, a in enumerate(arrays)]  # fmt: skip
         _fill_refs(req, refs)
+        self._next_id += 1
+        req.call_id = self._next_id
         payload = ray.put([to_numpy(a) for a in arrays])
+        ref = self.handle.serve_object_store.remote(self.client, req.SerializeToString(), payload)
+        self._in_flight[req.call_id] = (ref, sum(a.nbytes for a in arrays))
+        return req.call_id
+
+    def collect(self, call_id: int) -> Answer:
+        import ray
+
+        ref, sent = self._in_flight.pop(call_id)
+        ready, _ = ray.wait([ref], timeout=0)
+        t0 = time.perf_counter()
         try:
-            data, out = ray.get(
-                self.handle.serve_object_store.remote(
-                    self.client, req.SerializeToString(), payload
-                ),
-                timeout=self.timeout_s,
-            )
+            data, out = ray.get(ref, timeout=self.timeout_s)
         except ray.exceptions.RayError as exc:  # GetTimeoutError and RayActorError included
             # the actor died or is restarting (or its task failed): decode plainly meanwhile
             raise ChannelBroken(f"drafter call failed: {exc.__class__.__name__}") from None
+        waited = None if ready else time.perf_counter() - t0
         reply = roles.DraftReply.FromString(data)
         hidden = None
         if reply.HasField("hidden"):
             hidden = from_numpy(out[0], reply.hidden.dtype)
-        moved = sum(a.nbytes for a in arrays) + (hidden.nbytes if hidden is not None else 0)
-        return reply, hidden, moved
+        moved = sent + (hidden.nbytes if hidden is not None else 0)
+        return Answer(reply, hidden, moved, waited)
+
+    def call(self, req, arrays, reply_bytes: int = 0) -> Answer:
+        return self.collect(self.submit(req, arrays, reply_bytes))
+
+    def discard(self, call_id: int) -> None:
+        self._in_flight.pop(call_id, None)
 
     def close(self) -> None:
-        pass
+        self._in_flight.clear()
 
 
 def _fill_refs(req: roles.DraftRequest, refs: list[roles.TensorRef]) -> None:

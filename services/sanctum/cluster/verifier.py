@@ -57,6 +57,14 @@ class Metrics:
     rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    round_s: dict = field(
+        default_factory=lambda: {"draft": 0.0, "verify": 0.0, "rollback": 0.0, "other": 0.0}
+    )  # seconds spent in each phase of a round, summed over rounds
+
+    def add_round(self, s) -> None:
+        self.rounds += 1
+        for phase in self.round_s:
+            self.round_s[phase] += getattr(s, f"{phase}_s")
 
 
 class Verifier:
@@ -155,6 +163,7 @@ class Verifier:
         )
         s = step.stats
         act.usage.rounds += 1
+        self.metrics.add_round(s)
         if s.bs > 1:
             act.usage.drafted_tokens += s.bs - 1
             act.usage.accepted_tokens += s.accepted
@@ -220,7 +229,6 @@ class Verifier:
             usage.elapsed_s = round(time.perf_counter() - act.started, 6)
             chunk.usage = usage
             self.metrics.completion_tokens += usage.completion_tokens
-            self.metrics.rounds += usage.rounds
             self.metrics.drafted_tokens += usage.drafted_tokens
             self.metrics.accepted_tokens += usage.accepted_tokens
         return chunk

@@ -29,7 +29,14 @@ class DraftUnavailable(RuntimeError):
 
 
 class DraftPeer(Protocol):
-    """What the verifier needs from the drafter body, wherever it runs."""
+    """What the verifier needs from the drafter body, wherever it runs.
+
+    A peer in another process is `pipelined`: it also has `submit` (same arguments as `draft`,
+    returns a handle at once), `collect(handle) -> hidden` and `discard(handle)`, so that the
+    decoder can ask for a sequence's next block as soon as a round's tokens are accepted and
+    roll back its caches while the drafter computes."""
+
+    pipelined: bool
 
     def open(self, seq_id: str) -> None: ...
 
@@ -43,7 +50,10 @@ class DraftPeer(Protocol):
 
 
 class LocalDraftPeer:
-    """The drafter body in this process, with one context cache per open sequence."""
+    """The drafter body in this process, with one context cache per open sequence. Not
+    pipelined: one thread would run the draft and the rollback one after the other anyway."""
+
+    pipelined = False
 
     def __init__(self, drafter: Drafter):
         self.body = drafter.body
@@ -105,6 +115,17 @@ class Sequence:
     draft_open: bool = False
     finished: str | None = None
     last_tape: VerifyTape | None = None  # the latest verify pass (a later truncation can reuse it)
+    prefetch: Prefetch | None = None  # the next block's draft, already asked of a pipelined peer
+
+
+@dataclass
+class Prefetch:
+    """A draft submitted ahead of its round."""
+
+    handle: object  # the peer's
+    taps: list[mx.array]  # the context rows it carries: pending again if it fails
+    start: int  # the anchor's position it was asked for
+    anchor: int
 
 
 # (completion so far, new tokens) -> how many of the new tokens to keep, and whether to stop
@@ -128,6 +149,8 @@ class Decoder:
         self.block_size = int(block_size or (drafter.block_size if drafter else 1))
         self.tap_ids = tuple(self.cfg.target_layer_ids) if self.cfg else ()
         self.keep_tap_history = False  # the prompt cache saves the drafter's context
+        self.pipelined = bool(getattr(self.peer, "pipelined", False)) and self.block_size > 1
+        self.verify_delay_s = 0.0  # benchmarks and tests: emulate a slower target forward
         if self.cfg is not None:
             self.mask_embed = target.embed_tokens(mx.array([self.cfg.mask_token_id]))  # [1, H]
 
@@ -156,7 +179,9 @@ class Decoder:
     ) -> Step:
         """Commit the first token from the prefill logits."""
         token = self._sample_one(logits, params, key)
-        return self._commit(seq, [token], max_tokens, eos_ids, None, stats=None)
+        step = self._commit(seq, [token], max_tokens, eos_ids, None, stats=None)
+        self._prefetch(seq, cache_offset(seq.cache))
+        return step
 
     def step(
         self,
@@ -176,6 +201,9 @@ class Decoder:
         return self._plain_step(seq, params, max_tokens, eos_ids, key, stop_check)
 
     def close(self, seq: Sequence) -> None:
+        if seq.prefetch is not None:
+            self.peer.discard(seq.prefetch.handle)
+            seq.prefetch = None
         if self.peer is not None and seq.draft_open:
             try:
                 self.peer.close(seq.seq_id)
@@ -235,6 +263,8 @@ class Decoder:
     def _plain_step(self, seq, params, max_tokens, eos_ids, key, stop_check) -> Step:
         t0 = time.perf_counter()
         logits, taps = self.target.forward(mx.array([seq.anchor]), seq.cache, self.tap_ids)
+        if self.verify_delay_s:
+            time.sleep(self.verify_delay_s)
         token = self._sample_one(logits, params, key)
         seq.cached_tokens.append(seq.anchor)
         if taps is not None:
@@ -244,18 +274,58 @@ class Decoder:
         step.stats.verify_s, step.stats.other_s = t1 - t0, time.perf_counter() - t1
         return step
 
+    def _block_embeds(self, anchor: int) -> mx.array:
+        """[L, H]: the anchor's embedding, then L-1 mask embeddings."""
+        anchor_embed = self.target.embed_tokens(mx.array([anchor]))
+        return mx.concatenate([anchor_embed, mx.repeat(self.mask_embed, self.block_size - 1, 0)])
+
+    def _prefetch(self, seq: Sequence, start: int) -> None:
+        """Ask a pipelined peer for the next block now (anchor at `start`), to collect it at the
+        next round; the caller goes on (rollback, streaming) while the drafter computes."""
+        if not self.pipelined or seq.finished is not None or seq.prefetch is not None:
+            return
+        taps = seq.pending_taps
+        try:
+            if not seq.draft_open:
+                self.peer.open(seq.seq_id)
+                seq.draft_open = True
+            new_taps = mx.concatenate(taps) if taps else None
+            handle = self.peer.submit(seq.seq_id, new_taps, self._block_embeds(seq.anchor), start)
+        except DraftUnavailable:
+            seq.draft_open = False
+            return  # the taps stay pending; the next round drafts (or steps plainly) as usual
+        seq.pending_taps = []
+        seq.prefetch = Prefetch(handle, taps, start, seq.anchor)
+
+    def _collect_prefetch(self, seq: Sequence, start: int) -> mx.array | None:
+        """The prefetched block's hidden states, or None when there is none."""
+        pf, seq.prefetch = seq.prefetch, None
+        if pf is None:
+            return None
+        if pf.start != start or pf.anchor != seq.anchor:  # cannot happen; never draft on it
+            self.peer.discard(pf.handle)
+            seq.pending_taps[:0] = pf.taps
+            self.peer.close(seq.seq_id)  # its context now holds rows the cache may not
+            seq.draft_open = False  # reopened (and replayed) by the next draft
+            raise DraftUnavailable("prefetched draft does not match the sequence; redrafting")
+        try:
+            return self.peer.collect(pf.handle)
+        except DraftUnavailable:
+            seq.pending_taps[:0] = pf.taps  # not seen by any drafter: send them again
+            raise
+
     def _draft(self, seq: Sequence, params: SamplingParams, key: mx.array):
         """Propose L-1 tokens; returns (drafts [L-1], q [L-1, V] or None when greedy)."""
-        if not seq.draft_open:
-            self.peer.open(seq.seq_id)
-            seq.draft_open = True
-        L = self.block_size
         start = cache_offset(seq.cache)
-        anchor_embed = self.target.embed_tokens(mx.array([seq.anchor]))
-        block_embeds = mx.concatenate([anchor_embed, mx.repeat(self.mask_embed, L - 1, 0)])
-        new_taps = mx.concatenate(seq.pending_taps) if seq.pending_taps else None
-        hidden = self.peer.draft(seq.seq_id, new_taps, block_embeds, start)  # [L-1, H]
-        seq.pending_taps = []
+        hidden = self._collect_prefetch(seq, start)
+        if hidden is None:
+            if not seq.draft_open:
+                self.peer.open(seq.seq_id)
+                seq.draft_open = True
+            new_taps = mx.concatenate(seq.pending_taps) if seq.pending_taps else None
+            block_embeds = self._block_embeds(seq.anchor)
+            hidden = self.peer.draft(seq.seq_id, new_taps, block_embeds, start)  # [L-1, H]
+            seq.pending_taps = []
         logits = self.head.logits(hidden)  # [L-1, V]
         if self.cfg.is_v2:
             temp = 0.0 if params.greedy else params.temperature
@@ -271,12 +341,15 @@ class Decoder:
 
     def _speculative_round(self, seq, params, max_tokens, eos_ids, key, stop_check) -> Step:
         k_draft, k_accept = mx.random.split(key)
+        base = cache_offset(seq.cache)
         t0 = time.perf_counter()
         drafts, q = self._draft(seq, params, k_draft)
         mx.eval(drafts)
         t1 = time.perf_counter()
         block = mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
         logits, taps, tape = self.target.verify(block, seq.cache, self.tap_ids)
+        if self.verify_delay_s:
+            time.sleep(self.verify_delay_s)
         seq.last_tape = tape
         if params.greedy:
             accepted, bonus = accept_greedy(drafts, logits)
@@ -291,12 +364,15 @@ class Decoder:
         t3 = time.perf_counter()
         # the cache keeps the anchor and the committed tokens but the last (the next anchor)
         keep = len(step.tokens)
+        self.queue_taps(seq, taps[:keep])
+        self._prefetch(seq, base + keep)  # the drafter starts on the next block meanwhile
+        t_roll = time.perf_counter()
+        stats.draft_s += t_roll - t3
         self.target.rollback(seq.cache, tape, keep)
         mx.eval([c.state for c in seq.cache if not c.empty()])
         t4 = time.perf_counter()
         seq.cached_tokens.extend(block_ids[:keep])
-        self.queue_taps(seq, taps[:keep])
-        stats.rollback_s = t4 - t3
+        stats.rollback_s = t4 - t_roll
         stats.other_s = (t3 - t2) + (time.perf_counter() - t4)
         return step
 

@@ -163,7 +163,7 @@ class CacheStats(_message.Message):
     def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., available: _Optional[bool] = ..., directory: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("model", "drafter", "block_size", "kv", "mode", "active", "waiting", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "rounds", "drafted_tokens", "accepted_tokens", "cancelled", "rejected", "drafter_available", "transport", "cache", "draft_calls", "transport_ms_per_round", "transport_bytes_per_round", "drafter_compute_ms_per_round")
+    __slots__ = ("model", "drafter", "block_size", "kv", "mode", "active", "waiting", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "rounds", "drafted_tokens", "accepted_tokens", "cancelled", "rejected", "drafter_available", "transport", "cache", "draft_calls", "transport_ms_per_round", "transport_bytes_per_round", "drafter_compute_ms_per_round", "round_draft_ms", "round_verify_ms", "round_rollback_ms", "round_other_ms", "drafter_wait_ms_per_round", "overlapped_draft_calls")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,12 @@ class StatsResponse(_message.Message):
     TRANSPORT_MS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_BYTES_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_COMPUTE_MS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ROLLBACK_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_OTHER_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_WAIT_MS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    OVERLAPPED_DRAFT_CALLS_FIELD_NUMBER: _ClassVar[int]
     model: str
     drafter: str
     block_size: int
@@ -210,7 +216,13 @@ class StatsResponse(_message.Message):
     transport_ms_per_round: float
     transport_bytes_per_round: float
     drafter_compute_ms_per_round: float
-    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ..., kv: _Optional[str] = ..., mode: _Optional[str] = ..., active: _Optional[int] = ..., waiting: _Optional[int] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., cancelled: _Optional[int] = ..., rejected: _Optional[int] = ..., drafter_available: _Optional[bool] = ..., transport: _Optional[str] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., draft_calls: _Optional[int] = ..., transport_ms_per_round: _Optional[float] = ..., transport_bytes_per_round: _Optional[float] = ..., drafter_compute_ms_per_round: _Optional[float] = ...) -> None: ...
+    round_draft_ms: float
+    round_verify_ms: float
+    round_rollback_ms: float
+    round_other_ms: float
+    drafter_wait_ms_per_round: float
+    overlapped_draft_calls: int
+    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ..., kv: _Optional[str] = ..., mode: _Optional[str] = ..., active: _Optional[int] = ..., waiting: _Optional[int] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., cancelled: _Optional[int] = ..., rejected: _Optional[int] = ..., drafter_available: _Optional[bool] = ..., transport: _Optional[str] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., draft_calls: _Optional[int] = ..., transport_ms_per_round: _Optional[float] = ..., transport_bytes_per_round: _Optional[float] = ..., drafter_compute_ms_per_round: _Optional[float] = ..., round_draft_ms: _Optional[float] = ..., round_verify_ms: _Optional[float] = ..., round_rollback_ms: _Optional[float] = ..., round_other_ms: _Optional[float] = ..., drafter_wait_ms_per_round: _Optional[float] = ..., overlapped_draft_calls: _Optional[int] = ...) -> None: ...
 
 class ListCacheRequest(_message.Message):
     __slots__ = ("model_key",)

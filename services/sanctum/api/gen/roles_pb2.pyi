@@ -85,40 +85,48 @@ class DraftClose(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
 
 class DraftCall(_message.Message):
-    __slots__ = ("seq_id", "start", "new_taps", "block_embeds")
+    __slots__ = ("seq_id", "start", "new_taps", "block_embeds", "reply_offset", "reply_capacity")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NEW_TAPS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_EMBEDS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REPLY_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     start: int
     new_taps: TensorRef
     block_embeds: TensorRef
-    def __init__(self, seq_id: _Optional[str] = ..., start: _Optional[int] = ..., new_taps: _Optional[_Union[TensorRef, _Mapping]] = ..., block_embeds: _Optional[_Union[TensorRef, _Mapping]] = ...) -> None: ...
+    reply_offset: int
+    reply_capacity: int
+    def __init__(self, seq_id: _Optional[str] = ..., start: _Optional[int] = ..., new_taps: _Optional[_Union[TensorRef, _Mapping]] = ..., block_embeds: _Optional[_Union[TensorRef, _Mapping]] = ..., reply_offset: _Optional[int] = ..., reply_capacity: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("attach", "open", "draft", "close")
+    __slots__ = ("attach", "open", "draft", "close", "call_id")
     ATTACH_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     attach: DraftAttach
     open: DraftOpen
     draft: DraftCall
     close: DraftClose
-    def __init__(self, attach: _Optional[_Union[DraftAttach, _Mapping]] = ..., open: _Optional[_Union[DraftOpen, _Mapping]] = ..., draft: _Optional[_Union[DraftCall, _Mapping]] = ..., close: _Optional[_Union[DraftClose, _Mapping]] = ...) -> None: ...
+    call_id: int
+    def __init__(self, attach: _Optional[_Union[DraftAttach, _Mapping]] = ..., open: _Optional[_Union[DraftOpen, _Mapping]] = ..., draft: _Optional[_Union[DraftCall, _Mapping]] = ..., close: _Optional[_Union[DraftClose, _Mapping]] = ..., call_id: _Optional[int] = ...) -> None: ...
 
 class DraftReply(_message.Message):
-    __slots__ = ("hidden", "error", "not_open", "compute_ms")
+    __slots__ = ("hidden", "error", "not_open", "compute_ms", "call_id")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NOT_OPEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     hidden: TensorRef
     error: str
     not_open: bool
     compute_ms: float
-    def __init__(self, hidden: _Optional[_Union[TensorRef, _Mapping]] = ..., error: _Optional[str] = ..., not_open: _Optional[bool] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    call_id: int
+    def __init__(self, hidden: _Optional[_Union[TensorRef, _Mapping]] = ..., error: _Optional[str] = ..., not_open: _Optional[bool] = ..., compute_ms: _Optional[float] = ..., call_id: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
     __slots__ = ("node_id", "address", "authkey", "pid", "drafter", "bits", "started")
