@@ -30,14 +30,15 @@ class ServeSettings:
     max_queue: int = 64  # more requests may wait; beyond that RESOURCE_EXHAUSTED
     max_tokens_limit: int = 4096
     transport: str = "auto"  # drafter transport: auto (by Ray node) | shm | object_store
-    round_delay_s: float = 0.0  # benchmark/test knob: a slower target (a sleep in every verify)
+    round_delay_s: float = 0.0  # benchmark/test knob: a slower target (a wait in every verify)
+    round_delay_busy: bool = False  # the wait keeps the core busy (benchmarks) or sleeps (tests)
     resources: dict = field(default_factory=dict)  # role -> Ray custom resources (placement)
 
 
 def serve_settings(
     model=None, drafter=None, block_size=None, bits=None, kv_mode=None, ladder=None,
     cache_bytes=None, cache_dir=None, max_active=None, max_queue=None, transport=None,
-    resources=None, round_delay_ms=0.0, env=os.environ,
+    resources=None, round_delay_ms=0.0, round_delay_busy=False, env=os.environ,
 ) -> ServeSettings:  # fmt: skip
     """Flags (non-None) over environment over defaults. The prompt cache persists in
     SANCTUM_HOME/prompt-cache unless a directory (or "none") is given."""
@@ -64,7 +65,8 @@ def serve_settings(
         engine, cache,
         max_active=max_active or int(env.get("SANCTUM_MAX_ACTIVE", 8)),
         max_queue=max_queue if max_queue is not None else int(env.get("SANCTUM_MAX_QUEUE", 64)),
-        transport=transport, round_delay_s=(round_delay_ms or 0.0) / 1000.0, resources=res,
+        transport=transport, round_delay_s=(round_delay_ms or 0.0) / 1000.0,
+        round_delay_busy=round_delay_busy, resources=res,
     )  # fmt: skip
 
 
@@ -98,6 +100,7 @@ def make_verifier(settings: ServeSettings, store, remote_peer=None):
     verifier = Verifier(target, drafter, peer, store, settings.cache.ladder_depth, e.kv_mode,
                         e.block_size, settings.max_tokens_limit)  # fmt: skip
     verifier.decoder.verify_delay_s = settings.round_delay_s
+    verifier.decoder.verify_delay_busy = settings.round_delay_busy
     return verifier
 
 

@@ -11,8 +11,10 @@ So no process holds a second copy of the vocabulary weights, and the per-round p
 hundred KB even at 248K vocabulary (logits would be L x 248K floats).
 
 `DraftService` (Ray-free) is the drafter actor's core: the body with one context cache per
-(client, sequence). `RemoteDraftPeer` implements the engine's `DraftPeer` over a transport
-channel (shared memory on one host, the object store across hosts); when the drafter dies it
+(client, sequence). `RemoteDraftPeer` implements the engine's pipelined `DraftPeer` over a
+transport channel (shared memory on one host, the object store across hosts): `submit` sends a
+request and returns, `collect` waits for its reply, so the verifier asks for a sequence's next
+block before its rollback and its stream and finds the answer (mostly) ready. When the drafter dies it
 raises `DraftUnavailable` (the decoder then steps plainly), reconnects in the background once
 the actor has restarted, and replays each open sequence's context so speculation resumes.
 """

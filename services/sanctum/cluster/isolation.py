@@ -5,9 +5,10 @@ the actor cluster, alternating, in one run; both without the prompt cache so the
 work. Reports tok/s of each, the tax (1 - cluster/inline), and the drafter channel's cost per
 round (latency, what the verifier still waits with drafts asked a round ahead, bytes moved both
 ways) from the verifier's
-counters, and where each mode's round time goes. `--round-delay-ms` adds a sleep to every
-target forward in BOTH modes to emulate a slower target: the split's cost stays, the round grows
-(the sleep sits inside verify, where a real target spends its time, not where drafts overlap).
+counters, and where each mode's round time goes. `--round-delay-ms` adds a busy wait to
+every target forward in BOTH modes to emulate a slower target: the split's cost stays, the round
+grows (the wait sits inside verify, where a real target spends its time, not where drafts
+overlap; busy, because a sleep would let the cores go cold as a real forward does not).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def add_parser(bsub, add_model_flags) -> None:
         "--round-delay-ms",
         type=float,
         default=0.0,
-        help="sleep added to every round in both modes (emulates a slower target)",
+        help="busy wait added to every target forward in both modes (emulates a slower target)",
     )
     p.add_argument("--transport", choices=("auto", "shm", "object_store"), default="auto")
     p.add_argument("--json", action="store_true")
@@ -97,7 +98,7 @@ def run(args) -> dict:
 
     settings = serve_settings(args.model, args.drafter, args.block_size, args.bits, args.kv,
                               cache_dir="none", transport=args.transport,
-                              round_delay_ms=args.round_delay_ms)  # fmt: skip
+                              round_delay_ms=args.round_delay_ms, round_delay_busy=True)  # fmt: skip
     prompts = args.prompts or list(DEFAULT_PROMPTS)
     inline = InlineBackend(settings)
     inline.ready()
