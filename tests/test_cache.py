@@ -81,6 +81,42 @@ def test_seed_scenario_resumes_warm(pair, kv, mode):
         )
 
 
+@pytest.fixture(scope="module")
+def trained_pair():
+    """The shipped default pair: it writes real text, which a random tiny model does not."""
+    from sanctum.config import default_pair
+
+    target_dir, drafter_dir = default_pair()
+    target = load_target(target_dir)
+    return target, load_drafter(drafter_dir, target)
+
+
+@pytest.mark.parametrize("kv", ["fp16", "q8"])
+def test_reply_sent_back_as_text_resumes_at_the_lcp(trained_pair, kv):
+    """Without <think> blocks the next prompt re-encodes the reply's text, which often differs
+    from the generated tokens partway in (the model emits "\n   " where the encoder gives "\n" +
+    "   "): the resume must still reach the LCP, from a rung placed there while decoding, not
+    fall back to the prompt boundary."""
+    verifier = make_verifier(trained_pair, kv=kv)
+    code = "```python\ndef add(a, b):\n    return a + b\n```"
+    messages = [SYSTEM, {"role": "user", "content": f"Review this code:\n{code}"}]
+    inside = 0  # turns whose prefix ended strictly inside the previous completion
+    previous = None  # (prompt tokens, completion tokens) of the previous turn
+    for turn in range(4):
+        tokens, text, usage = run(verifier, messages, max_tokens=32)
+        if previous is not None:
+            assert usage.resumed_at == usage.requested_lcp  # not short of it
+            cold_tokens, _, _ = run(verifier, messages, use_cache=False, max_tokens=32)
+            assert tokens == cold_tokens
+            inside += previous[0] < usage.requested_lcp < sum(previous) - 1
+        previous = (usage.prompt_tokens, len(tokens))
+        messages = messages + [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"And now turn {turn + 2}."},
+        ]
+    assert inside >= 2  # the case this is about was exercised, not only the prompt boundary
+
+
 def test_seed_scenario_identical_across_kv_and_mode(pair):
     """Q8/FP16 x sync/streaming share one code path: same resume positions every turn."""
     seen = {}

@@ -42,11 +42,14 @@ def choose_rungs(
     message_starts,
     captured: dict,
     inherited: dict,
+    next_turn_end: int | None = None,
 ) -> dict:
     """Pick at most `depth` rungs for a new entry from what prefill captured, what the resumed
-    entry had below the resume point, and the end-of-completion state (`captured[end]`)."""
+    entry had below the resume point, and the end-of-completion state (`captured[end]`).
+    First the prompt boundary, then where the next turn's prefix is expected to end inside the
+    completion (when the reply's text re-encodes differently), then the end."""
     pool = {**inherited, **captured}
-    order = [prompt_len, end]
+    order = [prompt_len, *([next_turn_end] if next_turn_end is not None else []), end]
     order += sorted((p for p in message_starts if p in pool), reverse=True)
     order += sorted((p for p in inherited if p not in order), reverse=True)
     order += sorted((p for p in pool if p not in order), reverse=True)

@@ -19,7 +19,7 @@ from ..cache.ladder import choose_rungs, make_entry, prefill_stops, restore_into
 from ..cache.store import ResumePlan
 from ..engine.drafter import Drafter
 from ..engine.speculative import Decoder, DraftPeer, Sequence, make_key
-from ..engine.target import Target
+from ..engine.target import Target, VerifyTape, cache_offset
 from ..requests import Chunk, GenerateRequest, Limits, Usage, check_prompt_length, validate
 from ..tokenizer import TextStream, message_starts, render_chat
 
@@ -40,6 +40,10 @@ class Active:
     plan: ResumePlan
     captured: dict = field(default_factory=dict)  # rung position -> GDN states from prefill
     started: float = field(default_factory=time.perf_counter)
+    # where the next turn's prefix will end inside this completion (see `_watch_retokenization`)
+    next_turn_end: int | None = None
+    watching: bool = False
+    recent: list = field(default_factory=list)  # the last rounds' (start, end, tape | state)
 
     @property
     def finished(self) -> bool:
@@ -137,6 +141,7 @@ class Verifier:
         stops = prefill_stops(self.ladder_depth, len(prompt_ids), plan.resumed_at, starts)
         if self.store is None:
             stops = ()
+        act.watching = self.store is not None and req.use_cache and req.messages is not None
         logits = self.decoder.prefill(
             seq, prompt_ids[plan.resumed_at :], stops,
             on_stop=lambda pos: act.captured.__setitem__(pos, self.target.recurrent_state(seq.cache)),
@@ -158,9 +163,12 @@ class Verifier:
     def step(self, act: Active) -> Chunk:
         """One round (speculative, or one plain token)."""
         act.key, sub = mx.random.split(act.key)
+        before = cache_offset(act.seq.cache)
         step = self.decoder.step(
             act.seq, act.req.sampling(), act.req.max_tokens, self.eos_ids, sub, act.stream.check
         )
+        if act.watching:
+            self._watch_retokenization(act, before, step)
         s = step.stats
         act.usage.rounds += 1
         self.metrics.add_round(s)
@@ -193,6 +201,49 @@ class Verifier:
             self.close(act)
 
     # ---- internals -------------------------------------------------------------------------
+    WATCH_MAX_TOKENS = 256  # re-encoding the completion each round: ~0.4 ms at 256 tokens
+
+    def _watch_retokenization(self, act: Active, before: int, step) -> None:
+        """Place a rung where the next turn's prompt will stop matching this entry.
+
+        A chat client sends the reply back as text, and the next turn's template re-encodes it.
+        A generated token sequence is often not the tokenizer's own encoding of its text (a model
+        may emit "\n   " where the encoder gives "\n" + "   "), so the next prompt leaves this
+        entry's tokens at the first such place, inside the completion, where no rung sits: the
+        resume would fall back to the prompt boundary. Each round re-encodes the completion; at
+        the first difference that later text can no longer change, the recurrent state there
+        comes from the round's verify tape (any row of it) and becomes a rung at save time."""
+        seq = act.seq
+        after = cache_offset(seq.cache)
+        if step.stats is not None and step.stats.bs > 1 and seq.last_tape is not None:
+            act.recent.append((before, after, seq.last_tape))
+        else:
+            act.recent.append((after, after, self.target.recurrent_state(seq.cache)))
+        del act.recent[:-2]  # the state of rows committed before these rounds is gone
+        ids = seq.completion
+        if len(ids) > self.WATCH_MAX_TOKENS or seq.finished is not None:
+            act.watching = False
+            return
+        tok = self.target.tokenizer
+        canonical = tok.encode(tok.decode(ids), add_special_tokens=False)
+        stable = min(len(ids), len(canonical)) - 2  # the last tokens may still merge differently
+        first = next((j for j in range(stable) if ids[j] != canonical[j]), None)
+        if first is None:
+            return
+        act.watching = False
+        position = len(act.prompt_ids) + first  # cached tokens in the next turn's common prefix
+        for start, end, saved in act.recent:
+            if start <= position <= end:
+                if isinstance(saved, VerifyTape):
+                    state = saved.recurrent_state_at(position - start)
+                elif position == end:
+                    state = saved
+                else:
+                    continue
+                act.captured[position] = state
+                act.next_turn_end = position
+                return
+
     def _plan(self, kv: str, prompt_ids: list[int]) -> ResumePlan:
         try:
             return self.store.plan(self.model_key(kv), prompt_ids)
@@ -205,7 +256,7 @@ class Verifier:
         end = len(seq.cached_tokens)
         captured = {**act.captured, end: self.target.recurrent_state(seq.cache)}
         rungs = choose_rungs(self.ladder_depth, len(act.prompt_ids), end, act.message_starts,
-                             captured, act.plan.rungs)  # fmt: skip
+                             captured, act.plan.rungs, act.next_turn_end)  # fmt: skip
         taps = mx.concatenate(seq.tap_history) if seq.tap_history else None
         if taps is not None and taps.shape[0] != end:
             taps = None  # incomplete history (e.g. resumed without taps): the drafter restarts cold

@@ -45,16 +45,19 @@ class GDNTape:
     chunk_parts: tuple | None = None
     inputs: tuple | None = None
 
+    def state_at(self, keep: int) -> tuple[mx.array, mx.array]:
+        """(conv state, recurrent state) after the first `keep` rows of the pass."""
+        n_conv = self.conv_input.shape[1] - self.num_rows
+        conv = self.conv_input[:, keep : keep + n_conv, :]
+        if keep == 0:
+            return conv, self.state_in
+        if self.chunk_parts is not None:
+            return conv, state_after(self.state_in, *self.chunk_parts, keep)
+        return conv, recurrence(*(t[:, :keep] for t in self.inputs), self.state_in)[1]
+
     def rollback(self, keep: int) -> None:
         """Make the layer's cache hold the state after the first `keep` rows of the pass."""
-        n_conv = self.conv_input.shape[1] - self.num_rows
-        self.cache[0] = self.conv_input[:, keep : keep + n_conv, :]
-        if keep == 0:
-            self.cache[1] = self.state_in
-        elif self.chunk_parts is not None:
-            self.cache[1] = state_after(self.state_in, *self.chunk_parts, keep)
-        else:
-            _, self.cache[1] = recurrence(*(t[:, :keep] for t in self.inputs), self.state_in)
+        self.cache[0], self.cache[1] = self.state_at(keep)
 
 
 def state_after(state_in, k, decay, v_new, rows: int) -> mx.array:

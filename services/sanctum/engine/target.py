@@ -65,6 +65,11 @@ class VerifyTape:
     num_rows: int
     gdn: list[GDNTape]
 
+    def recurrent_state_at(self, rows: int) -> list[tuple[mx.array, mx.array]]:
+        """The GDN layers' state after the first `rows` rows of the pass (position start + rows),
+        as `Target.recurrent_state` gives it; the cache is not touched."""
+        return [entry.state_at(rows) for entry in self.gdn]
+
 
 class Target:
     """A loaded target model with its tokenizer and the few views into it that we need."""
