@@ -221,14 +221,17 @@ class Verifier:
             act.recent.append((after, after, self.target.recurrent_state(seq.cache)))
         del act.recent[:-2]  # the state of rows committed before these rounds is gone
         ids = seq.completion
-        if len(ids) > self.WATCH_MAX_TOKENS or seq.finished is not None:
+        if len(ids) > self.WATCH_MAX_TOKENS:
             act.watching = False
             return
         tok = self.target.tokenizer
         canonical = tok.encode(tok.decode(ids), add_special_tokens=False)
-        stable = min(len(ids), len(canonical)) - 2  # the last tokens may still merge differently
+        # the last tokens may still merge differently as text follows, unless nothing will
+        margin = 2 if seq.finished is None else 0
+        stable = min(len(ids), len(canonical)) - margin
         first = next((j for j in range(stable) if ids[j] != canonical[j]), None)
         if first is None:
+            act.watching = seq.finished is None
             return
         act.watching = False
         position = len(act.prompt_ids) + first  # cached tokens in the next turn's common prefix
