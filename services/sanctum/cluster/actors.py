@@ -283,6 +283,12 @@ def start_cluster(settings: ServeSettings) -> ClusterBackend:
     def opts(role: str, **kw) -> dict:
         res = settings.resources.get(role)
         env = {"env_vars": {"OMP_NUM_THREADS": threads[role]}}
+        if role == "verifier":
+            # OpenBLAS workers spin ~0.1 s after each call before sleeping: through every wait
+            # for the drafter a verifier worker would hold a core the drafter needs. 2^4 cycles.
+            env["env_vars"]["OPENBLAS_THREAD_TIMEOUT"] = os.environ.get(
+                "OPENBLAS_THREAD_TIMEOUT", "4"
+            )
         return dict(num_cpus=0, max_restarts=-1, runtime_env=env, **kw,
                     **({"resources": res} if res else {}))  # fmt: skip
 
