@@ -261,6 +261,49 @@ def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
         backend.close()
 
 
+def test_long_prompt_prefills_in_slices_between_rounds(pair, engine):
+    """A long prompt arriving while another request decodes is prefilled a slice at a time, with
+    the other request's rounds in between (its stream does not stall for the whole prompt), and
+    both outputs are still the engine's own."""
+    from sanctum.cluster.backend import InlineBackend, serve_settings
+    from sanctum.requests import GenerateRequest
+
+    _, _, reference = engine
+    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
+                                           env={}))  # fmt: skip
+    try:
+        backend.ready(60)
+        sched, verifier = backend.scheduler, backend.scheduler.verifier
+        sched.prefill_slice = 64
+        log = []  # what the worker thread did, in order
+        prefill_some, step = verifier.prefill_some, verifier.step
+
+        def logged_prefill(act, budget=None):
+            log.append(("prefill", act.req.request_id))
+            return prefill_some(act, budget)
+
+        def logged_step(act):
+            log.append(("round", act.req.request_id))
+            return step(act)
+
+        verifier.prefill_some, verifier.step = logged_prefill, logged_step
+        short = sched.submit(GenerateRequest(prompt=PROMPTS[3], max_tokens=200, request_id="a"))
+        stream = iter(short)
+        first = [next(stream)]
+        long_prompt = "".join(f"value_{i} = compute({i}, {i + 1})\n" for i in range(40))
+        assert len(engine[0].tokenizer.encode(long_prompt)) > 4 * 64
+        other = sched.submit(GenerateRequest(prompt=long_prompt, max_tokens=8, request_id="b"))
+        rest, long_out = list(stream), list(other)
+        slices = [i for i, e in enumerate(log) if e == ("prefill", "b")]
+        assert len(slices) > 4  # one 64-token slice at a time
+        between = log[slices[0] : slices[-1]]
+        assert between.count(("round", "a")) >= len(slices) - 1  # a round after every slice
+        assert [t for c in first + rest for t in c.token_ids] == reference(PROMPTS[3], 200)
+        assert [t for c in long_out for t in c.token_ids] == reference(long_prompt, 8)
+    finally:
+        backend.close()
+
+
 # ---- a real Ray cluster behind gRPC: transports and faults -----------------------------------------
 
 ray = pytest.importorskip("ray")

@@ -1,6 +1,7 @@
 """Interleaving requests on one verifier: one worker thread owns MLX and runs one round of each
-open request in turn; request handlers only enqueue and read their own ticket (as mlx-lm's
-server does). The same scheduler runs inline (in the serving process) and inside the verifier
+open request in turn, and one slice of each prompt still being prefilled (a long prompt pauses
+the other streams for a slice at a time, not for all of it); request handlers only enqueue and
+read their own ticket (as mlx-lm's server does). The same scheduler runs inline (in the serving process) and inside the verifier
 actor. Ray-free and gRPC-free.
 
 Contract: `submit` returns a `Ticket` at once (or raises `QueueFull` / `Unavailable`); the
@@ -12,6 +13,7 @@ stops the request before its next round and frees its sequence.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -21,6 +23,9 @@ from dataclasses import dataclass, field
 from ..requests import Chunk, GenerateRequest, InvalidRequest
 
 log = logging.getLogger("sanctum.scheduler")
+
+# Prompt tokens prefilled per turn of the worker loop before the decoding requests get a round.
+PREFILL_SLICE = int(os.environ.get("SANCTUM_PREFILL_SLICE", 512))
 
 
 class QueueFull(RuntimeError):
@@ -90,7 +95,8 @@ class Scheduler:
     `load()` builds the verifier ON the worker thread: MLX streams belong to the thread that
     created them, so the thread that loads the models is the one that runs them."""
 
-    def __init__(self, load, max_active: int = 8, max_queue: int = 64):
+    def __init__(self, load, max_active: int = 8, max_queue: int = 64,
+                 prefill_slice: int = PREFILL_SLICE):  # fmt: skip
         self.verifier = None
         self._ready = threading.Event()
         self._parked = threading.Event()
@@ -99,7 +105,9 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[Ticket] = deque()
         self._active: dict[str, tuple[object, Ticket]] = {}
-        self._opening: set[str] = set()  # admitted, prefill running: not _waiting, not _active
+        self._opening: set[str] = set()  # admitted, being begun: not _waiting, not _active
+        self._prefilling: dict[str, tuple[object, Ticket]] = {}  # prompt tokens still to run
+        self.prefill_slice = max(1, prefill_slice)
         self._tickets: dict[str, Ticket] = {}
         self._accepting = True
         self._stopped = False
@@ -148,8 +156,8 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self._cv:
-            return {"active": len(self._active) + len(self._opening), "waiting": len(self._waiting),
-                    **self.counters}  # fmt: skip
+            active = len(self._active) + len(self._opening) + len(self._prefilling)
+            return {"active": active, "waiting": len(self._waiting), **self.counters}
 
     def stop_accepting(self) -> None:
         with self._cv:
@@ -160,7 +168,7 @@ class Scheduler:
             return self._load() == 0
 
     def _load(self) -> int:
-        return len(self._waiting) + len(self._active) + len(self._opening)
+        return len(self._waiting) + len(self._active) + len(self._opening) + len(self._prefilling)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Cancel everything; the worker thread closes the open requests, then parks."""
@@ -187,20 +195,27 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopped and not self._waiting and not self._active:
+                while not (self._stopped or self._waiting or self._active or self._prefilling):
                     self._cv.wait()
-                if self._stopped and not self._active and not self._waiting:
+                if self._stopped and not (self._active or self._waiting or self._prefilling):
                     # parked, not ended: with mlx 0.32 (Linux) the process aborts at exit
                     # ("terminate called without an active exception") when the MLX thread
                     # has exited, or is still running, as the interpreter finalizes
                     self._parked.set()
                     self._cv.wait_for(lambda: False)
                 admit = []
-                while self._waiting and len(self._active) + len(admit) < self.max_active:
+                busy = len(self._active) + len(self._prefilling)
+                while self._waiting and busy + len(admit) < self.max_active:
                     admit.append(self._waiting.popleft())
                 self._opening.update(t.request_id for t in admit)
             for ticket in admit:
                 self._open(ticket)
+            # one slice of each prompt being prefilled, then one round of each decoding request:
+            # a long prompt delays the others' next tokens by a slice, not by all of it
+            for request_id in list(self._prefilling):
+                self._reap_cancelled()
+                if request_id in self._prefilling:
+                    self._prefill(request_id)
             for request_id in list(self._active):
                 self._reap_cancelled()
                 if request_id in self._active:
@@ -209,6 +224,7 @@ class Scheduler:
     def _finish(self, request_id: str, ticket: Ticket, item=END) -> None:
         with self._cv:
             self._active.pop(request_id, None)
+            self._prefilling.pop(request_id, None)
             self._opening.discard(request_id)
             self._tickets.pop(request_id, None)
         ticket.items.put(item)
@@ -218,6 +234,11 @@ class Scheduler:
         for request_id, (act, ticket) in list(self._active.items()):
             if ticket.expired():
                 self._close(act)
+                self.counters["cancelled"] += 1
+                self._finish(request_id, ticket)
+        for request_id, (act, ticket) in list(self._prefilling.items()):
+            if ticket.expired():  # nothing to save: the prompt was not even read to the end
+                self._close(act, save=False)
                 self.counters["cancelled"] += 1
                 self._finish(request_id, ticket)
 
@@ -233,21 +254,38 @@ class Scheduler:
             self.counters["cancelled"] += 1
             return self._finish(rid, ticket)
         try:
-            act, chunk = self.verifier.open(ticket.request, ticket.mode)
+            act = self.verifier.begin(ticket.request, ticket.mode)
         except InvalidRequest as exc:
             return self._finish(rid, ticket, exc)
         except Exception as exc:
             log.exception("request %s failed at open", rid)
             self.counters["failed"] += 1
             return self._finish(rid, ticket, InternalError(f"{exc.__class__.__name__}: {exc}"))
+        with self._cv:  # one step from "opening" to "prefilling": never counted twice
+            self._prefilling[rid] = (act, ticket)
+            self._opening.discard(rid)
+
+    def _prefill(self, request_id: str) -> None:
+        act, ticket = self._prefilling[request_id]
+        try:
+            chunk = self.verifier.prefill_some(act, self.prefill_slice)
+        except Exception as exc:
+            log.exception("request %s failed in prefill", request_id)
+            self._close(act, save=False)
+            self.counters["failed"] += 1
+            return self._finish(
+                request_id, ticket, InternalError(f"{exc.__class__.__name__}: {exc}")
+            )
+        if chunk is None:
+            return  # more of the prompt next time round
         ticket.items.put(chunk)
         if act.finished:
             self._close(act)
             self.counters["finished"] += 1
-            return self._finish(rid, ticket)
-        with self._cv:  # one step from "opening" to "active": the queue bound never counts it twice
-            self._active[rid] = (act, ticket)
-            self._opening.discard(rid)
+            return self._finish(request_id, ticket)
+        with self._cv:
+            self._active[request_id] = (act, ticket)
+            self._prefilling.pop(request_id, None)
 
     def _round(self, request_id: str) -> None:
         act, ticket = self._active[request_id]

@@ -39,6 +39,7 @@ class Active:
     message_starts: list[int]
     plan: ResumePlan
     captured: dict = field(default_factory=dict)  # rung position -> GDN states from prefill
+    stops: tuple = ()  # where prefill must pause to capture a rung (absolute positions)
     started: float = field(default_factory=time.perf_counter)
     # where the next turn's prefix will end inside this completion (see `_watch_retokenization`)
     next_turn_end: int | None = None
@@ -113,6 +114,15 @@ class Verifier:
 
     def open(self, req: GenerateRequest, mode: str = "sync") -> tuple[Active, Chunk]:
         """Validate, resume from the cache, prefill (stopping at rungs), commit the first token."""
+        act = self.begin(req, mode)
+        chunk = None
+        while chunk is None:
+            chunk = self.prefill_some(act)
+        return act, chunk
+
+    def begin(self, req: GenerateRequest, mode: str = "sync") -> Active:
+        """Validate and resume from the cache; the prompt's remaining tokens are then prefilled
+        by `prefill_some` (in slices, so a scheduler can run other requests' rounds between)."""
         validate(req, self.limits)
         started = time.perf_counter()
         prompt_ids, starts = self.tokenize(req)
@@ -138,17 +148,9 @@ class Verifier:
         )
         act = Active(req, seq, TextStream(self.target.tokenizer, list(req.stop)),
                      make_key(req.seed), usage, prompt_ids, starts, plan, started=started)  # fmt: skip
-        stops = prefill_stops(self.ladder_depth, len(prompt_ids), plan.resumed_at, starts)
-        if self.store is None:
-            stops = ()
+        if self.store is not None:
+            act.stops = prefill_stops(self.ladder_depth, len(prompt_ids), plan.resumed_at, starts)
         act.watching = self.store is not None and req.use_cache and req.messages is not None
-        logits = self.decoder.prefill(
-            seq, prompt_ids[plan.resumed_at :], stops,
-            on_stop=lambda pos: act.captured.__setitem__(pos, self.target.recurrent_state(seq.cache)),
-        )  # fmt: skip
-        act.key, sub = mx.random.split(act.key)
-        step = self.decoder.start(seq, logits, req.sampling(), req.max_tokens, self.eos_ids, sub)
-        usage.ttft_s = round(time.perf_counter() - started, 6)
         log.info(
             "ladder resume: kv=%s mode=%s prompt_tokens=%d requested_lcp=%d resumed_at=%d "
             "recovered=%d prefix_cached=%d cache_hit_ratio=%.4f",
@@ -158,7 +160,25 @@ class Verifier:
         self.metrics.requests += 1
         self.metrics.prompt_tokens += len(prompt_ids)
         self.metrics.cached_tokens += plan.resumed_at
-        return act, self._chunk(act, step)
+        return act
+
+    def prefill_some(self, act: Active, budget: int | None = None) -> Chunk | None:
+        """Prefill up to `budget` more prompt tokens (None: all); once the prompt is done,
+        commit the first token and return its chunk (None while prompt tokens remain)."""
+        seq = act.seq
+        done = len(seq.cached_tokens)
+        end = len(act.prompt_ids) if budget is None else min(len(act.prompt_ids), done + budget)
+        logits = self.decoder.prefill(
+            seq, act.prompt_ids[done:end], act.stops,
+            on_stop=lambda pos: act.captured.__setitem__(pos, self.target.recurrent_state(seq.cache)),
+        )  # fmt: skip
+        if end < len(act.prompt_ids):
+            return None
+        act.key, sub = mx.random.split(act.key)
+        req = act.req
+        step = self.decoder.start(seq, logits, req.sampling(), req.max_tokens, self.eos_ids, sub)
+        act.usage.ttft_s = round(time.perf_counter() - act.started, 6)
+        return self._chunk(act, step)
 
     def step(self, act: Active) -> Chunk:
         """One round (speculative, or one plain token)."""
