@@ -317,7 +317,9 @@ class Decoder:
             self.peer.discard(pf.handle)
             seq.pending_taps[:0] = pf.taps
             self.peer.close(seq.seq_id)  # its context now holds rows the cache may not
-            seq.draft_open = False  # reopened (and replayed) by the next draft
+            # reopened by the next draft with a shorter context: poorer drafts for a while,
+            # the same output (the target decides every token)
+            seq.draft_open = False
             raise DraftUnavailable("prefetched draft does not match the sequence; redrafting")
         try:
             return self.peer.collect(pf.handle)
