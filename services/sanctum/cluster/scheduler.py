@@ -265,17 +265,19 @@ class Scheduler:
             self._prefilling[rid] = (act, ticket)
             self._opening.discard(rid)
 
+    def _fail(self, request_id: str, act, ticket: Ticket, exc: Exception, where: str) -> None:
+        """A request broke inside the engine: free it (its cache is not saved), tell its caller."""
+        log.exception("request %s failed %s", request_id, where)
+        self._close(act, save=False)
+        self.counters["failed"] += 1
+        self._finish(request_id, ticket, InternalError(f"{exc.__class__.__name__}: {exc}"))
+
     def _prefill(self, request_id: str) -> None:
         act, ticket = self._prefilling[request_id]
         try:
             chunk = self.verifier.prefill_some(act, self.prefill_slice)
         except Exception as exc:
-            log.exception("request %s failed in prefill", request_id)
-            self._close(act, save=False)
-            self.counters["failed"] += 1
-            return self._finish(
-                request_id, ticket, InternalError(f"{exc.__class__.__name__}: {exc}")
-            )
+            return self._fail(request_id, act, ticket, exc, "in prefill")
         if chunk is None:
             return  # more of the prompt next time round
         ticket.items.put(chunk)
@@ -292,12 +294,7 @@ class Scheduler:
         try:
             chunk: Chunk = self.verifier.step(act)
         except Exception as exc:
-            log.exception("request %s failed in a round", request_id)
-            self._close(act, save=False)
-            self.counters["failed"] += 1
-            return self._finish(
-                request_id, ticket, InternalError(f"{exc.__class__.__name__}: {exc}")
-            )
+            return self._fail(request_id, act, ticket, exc, "in a round")
         ticket.items.put(chunk)
         if act.finished:
             self._close(act)
