@@ -285,6 +285,11 @@ class Decoder:
         step.stats.verify_s, step.stats.other_s = t1 - t0, time.perf_counter() - t1
         return step
 
+    def _open_draft(self, seq: Sequence) -> None:
+        if not seq.draft_open:
+            self.peer.open(seq.seq_id)
+            seq.draft_open = True
+
     def _block_embeds(self, anchor: int) -> mx.array:
         """[L, H]: the anchor's embedding, then L-1 mask embeddings."""
         anchor_embed = self.target.embed_tokens(mx.array([anchor]))
@@ -297,9 +302,7 @@ class Decoder:
             return
         taps = seq.pending_taps
         try:
-            if not seq.draft_open:
-                self.peer.open(seq.seq_id)
-                seq.draft_open = True
+            self._open_draft(seq)
             new_taps = mx.concatenate(taps) if taps else None
             handle = self.peer.submit(seq.seq_id, new_taps, self._block_embeds(seq.anchor), start)
         except DraftUnavailable:
@@ -332,9 +335,7 @@ class Decoder:
         start = cache_offset(seq.cache)
         hidden = self._collect_prefetch(seq, start)
         if hidden is None:
-            if not seq.draft_open:
-                self.peer.open(seq.seq_id)
-                seq.draft_open = True
+            self._open_draft(seq)
             new_taps = mx.concatenate(seq.pending_taps) if seq.pending_taps else None
             block_embeds = self._block_embeds(seq.anchor)
             hidden = self.peer.draft(seq.seq_id, new_taps, block_embeds, start)  # [L-1, H]
