@@ -256,6 +256,8 @@ class VerifierActor:
         out = stats_message(
             "cluster", self.settings, self.verifier, self.scheduler.stats(), self.peer
         )
+        # the verifier's own view of the store (it may not have seen a restart yet)
+        out.cache.available = self.store is not None and self.store.available
         return out.SerializeToString()
 
     def pid(self) -> int:
@@ -386,12 +388,15 @@ class ClusterBackend:
             out = pb.StatsResponse.FromString(ray.get(self.verifier.stats.remote(), timeout=10))
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             raise Unavailable("the verifier is restarting") from None
+        seen = out.cache.available
         try:
             out.cache.CopyFrom(
                 pb.CacheStats.FromString(ray.get(self.store.stats.remote(), timeout=5))
             )
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             out.cache.available = False
+        # available = the store answers AND the verifier serves from it again
+        out.cache.available = out.cache.available and seen
         return out
 
     def _store_call(self, method, *args):

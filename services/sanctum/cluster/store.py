@@ -117,6 +117,9 @@ def cache_stats(store: PromptStore | None) -> pb.CacheStats:
 # ---- the verifier side ---------------------------------------------------------------------
 
 
+PROBE_WAIT_S = 0.1  # how long a request waits for a restarting store before going uncached
+
+
 class StoreProxy:
     """`plan` / `put` against the store actor; fails fast while it is away."""
 
@@ -131,20 +134,24 @@ class StoreProxy:
         self._check()
         return self._probe is None
 
-    def _check(self) -> None:
+    def _check(self, wait_s: float = 0.0) -> None:
+        """Is the store back? Looks at the pending ping (for up to `wait_s`); a ping that failed
+        (sent while the actor was dead) is sent again at once and waited for too."""
         import ray
 
-        if self._probe is None:
-            return
-        ready, _ = ray.wait([self._probe], timeout=0)
-        if not ready:
-            return
-        try:
-            ray.get(self._probe)
-            self._probe = None
-            log.info("ladder store: back; serving cached again")
-        except Exception:
-            self._probe = self.handle.ping.remote()
+        deadline = time.monotonic() + wait_s
+        while self._probe is not None:
+            ready, _ = ray.wait([self._probe], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return
+            try:
+                ray.get(self._probe)
+                self._probe = None
+                log.info("ladder store: back; serving cached again")
+            except Exception:
+                self._probe = self.handle.ping.remote()
+                if time.monotonic() >= deadline:
+                    return
 
     def _down(self, exc: Exception) -> StoreUnavailable:
         log.warning("ladder store unavailable (%s); serving uncached until it is back",
@@ -156,7 +163,9 @@ class StoreProxy:
     def plan(self, model_key: str, prompt_ids) -> ResumePlan:
         import ray
 
-        self._check()
+        # a restarted store answers its ping within milliseconds: worth a short wait, or the
+        # first request after the restart would still be served cold
+        self._check(wait_s=PROBE_WAIT_S)
         if self._probe is not None:
             raise StoreUnavailable("the ladder store is restarting")
         query = roles.PlanQuery(model_key=model_key, prompt_ids=[int(t) for t in prompt_ids])

@@ -366,7 +366,7 @@ class ShmChannel:
             if req.WhichOneof("op") == "draft":
                 req.draft.reply_offset, req.draft.reply_capacity = offset, size
             sent = sum(a.nbytes for a in arrays)
-            return self._send(req, self.slot, offset, size if arrays or reply_bytes else 0, sent)
+            return self._send(req, self.slot, offset, size, sent)
 
     def collect(self, call_id: int) -> Answer:
         """The reply to `call_id` (waits for it); frees its region."""
@@ -406,11 +406,9 @@ class ShmChannel:
         else:
             self._arrived[reply.call_id] = reply
 
-    def _release(self, call_id: int) -> _InFlight:
-        flight = self._in_flight.pop(call_id)
-        if flight.slot is not self.slot:
+    def _release(self, call_id: int) -> None:
+        if self._in_flight.pop(call_id).slot is not self.slot:
             self._close_retired()
-        return flight
 
     def _answer(self, call_id: int, waited: float | None = None) -> Answer:
         reply = self._arrived.pop(call_id)
