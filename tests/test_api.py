@@ -133,6 +133,29 @@ def test_stream_equals_inline_engine(client, reference):
     )
 
 
+def test_seeded_sampling_equals_inline_roles(client, reference, pair):
+    """Sampling (rejection rule) through the cluster, drafts asked a round ahead over shared
+    memory, gives the tokens the inline roles give for the same seed."""
+    from sanctum.cluster.verifier import Verifier
+    from sanctum.engine.drafter import load_drafter
+    from sanctum.engine.speculative import LocalDraftPeer
+    from sanctum.requests import GenerateRequest
+
+    target = reference.target
+    drafter = load_drafter(pair[1], target)
+    inline = Verifier(target, drafter, LocalDraftPeer(drafter))
+    knobs = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
+    outputs = []
+    for seed in (7, 8):
+        req = GenerateRequest(prompt=PROMPTS[4], max_tokens=24, seed=seed, use_cache=False, **knobs)
+        want = [t for c in inline.generate(req) for t in c.token_ids]
+        got = tokens_of(client.generate(PROMPTS[4], max_tokens=24, seed=seed, use_cache=False,
+                                        timeout=60, **knobs))  # fmt: skip
+        assert got == want
+        outputs.append(got)
+    assert outputs[0] != outputs[1]  # really sampled: the seed matters
+
+
 def test_token_ids_and_chat_prompts(client, reference):
     from sanctum.tokenizer import render_chat
 
