@@ -123,6 +123,8 @@ def _prefer_openblas() -> None:
     the CPU time per token inline on the tiny pair)."""
     import os
 
+    from .config import OPENBLAS_IDLE_SPIN
+
     if (
         sys.platform.startswith("linux")
         and os.path.exists(_OPENBLAS)
@@ -130,7 +132,7 @@ def _prefer_openblas() -> None:
         and not os.environ.get("SANCTUM_NO_OPENBLAS")
     ):
         env = dict(os.environ, LD_PRELOAD=_OPENBLAS, SANCTUM_NO_OPENBLAS="1")
-        env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+        env.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_IDLE_SPIN)
         os.execve(sys.executable, [sys.executable, "-m", "sanctum.cli", *sys.argv[1:]], env)
 
 

@@ -31,6 +31,7 @@ import ray
 from ..api.convert import chunk_from_proto, chunk_to_proto, request_from_proto, request_to_proto
 from ..api.gen import inference_pb2 as pb
 from ..api.gen import roles_pb2 as roles
+from ..config import OPENBLAS_IDLE_SPIN
 from ..requests import InvalidRequest, Limits
 from .backend import ServeSettings, make_verifier, stats_message, target_shape
 from .scheduler import End, InternalError, QueueFull, Unavailable
@@ -285,11 +286,9 @@ def start_cluster(settings: ServeSettings) -> ClusterBackend:
     def opts(role: str, **kw) -> dict:
         res = settings.resources.get(role)
         env = {"env_vars": {"OMP_NUM_THREADS": threads[role]}}
-        if role == "verifier":
-            # OpenBLAS workers spin ~0.1 s after each call before sleeping: through every wait
-            # for the drafter a verifier worker would hold a core the drafter needs. 2^4 cycles.
+        if role == "verifier":  # its idle BLAS workers would hold a core through each draft wait
             env["env_vars"]["OPENBLAS_THREAD_TIMEOUT"] = os.environ.get(
-                "OPENBLAS_THREAD_TIMEOUT", "4"
+                "OPENBLAS_THREAD_TIMEOUT", OPENBLAS_IDLE_SPIN
             )
         return dict(num_cpus=0, max_restarts=-1, runtime_env=env, **kw,
                     **({"resources": res} if res else {}))  # fmt: skip

@@ -30,7 +30,7 @@ class ServeSettings:
     max_queue: int = 64  # more requests may wait; beyond that RESOURCE_EXHAUSTED
     max_tokens_limit: int = 4096
     transport: str = "auto"  # drafter transport: auto (by Ray node) | shm | object_store
-    round_delay_s: float = 0.0  # benchmark/test knob: a slower target (a wait in every verify)
+    round_delay_s: float = 0.0  # benchmark/test knob: a slower target (a wait in every forward)
     round_delay_busy: bool = False  # the wait keeps the core busy (benchmarks) or sleeps (tests)
     resources: dict = field(default_factory=dict)  # role -> Ray custom resources (placement)
 
@@ -79,6 +79,27 @@ def target_shape(model: str) -> tuple[int, int, int]:
     return int(text["num_hidden_layers"]), int(text["hidden_size"]), int(text["vocab_size"])
 
 
+def _slow_down(target, seconds: float, busy: bool) -> None:
+    """Benchmarks and tests: every target forward (a verify block, a plain step, a prefill call)
+    takes `seconds` longer, as a slower target would. Busy for benchmarks (a real forward keeps
+    its core busy; a sleep lets the cores go cold), asleep for tests."""
+    import time
+
+    forward = target.forward
+
+    def slower(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if not busy:
+            time.sleep(seconds)
+        else:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+        return out
+
+    target.forward = slower
+
+
 def make_verifier(settings: ServeSettings, store, remote_peer=None):
     """Load the target and wrap it in the verifier role. Without `remote_peer` the whole
     drafter is loaded here (inline); with it, only the drafter head (the body is remote)."""
@@ -87,6 +108,8 @@ def make_verifier(settings: ServeSettings, store, remote_peer=None):
 
     e = settings.engine
     target = load_target(e.model)
+    if settings.round_delay_s:
+        _slow_down(target, settings.round_delay_s, settings.round_delay_busy)
     drafter = peer = None
     if e.drafter:
         from ..engine.drafter import load_drafter
@@ -99,8 +122,6 @@ def make_verifier(settings: ServeSettings, store, remote_peer=None):
         peer = remote_peer() if remote_peer is not None else LocalDraftPeer(drafter)
     verifier = Verifier(target, drafter, peer, store, settings.cache.ladder_depth, e.kv_mode,
                         e.block_size, settings.max_tokens_limit)  # fmt: skip
-    verifier.decoder.verify_delay_s = settings.round_delay_s
-    verifier.decoder.verify_delay_busy = settings.round_delay_busy
     return verifier
 
 

@@ -7,7 +7,7 @@ round (latency, what the verifier still waits with drafts asked a round ahead, b
 ways) from the verifier's
 counters, and where each mode's round time goes. `--round-delay-ms` adds a busy wait to
 every target forward in BOTH modes to emulate a slower target: the split's cost stays, the round
-grows (the wait sits inside verify, where a real target spends its time, not where drafts
+grows (the wait sits in the forward, where a real target spends its time, not where drafts
 overlap; busy, because a sleep would let the cores go cold as a real forward does not).
 """
 

@@ -150,8 +150,6 @@ class Decoder:
         self.tap_ids = tuple(self.cfg.target_layer_ids) if self.cfg else ()
         self.keep_tap_history = False  # the prompt cache saves the drafter's context
         self.pipelined = bool(getattr(self.peer, "pipelined", False)) and self.block_size > 1
-        self.verify_delay_s = 0.0  # benchmarks and tests: emulate a slower target forward
-        self.verify_delay_busy = False  # ... keeping the core busy (benchmarks) or asleep (tests)
         if self.cfg is not None:
             self.mask_embed = target.embed_tokens(mx.array([self.cfg.mask_token_id]))  # [1, H]
 
@@ -213,16 +211,6 @@ class Decoder:
         seq.draft_open = False
 
     # ---- internals ---------------------------------------------------------------------
-    def _delay(self) -> None:
-        """Emulated target compute. Busy, as a real forward is, for benchmarks: a sleep lets the
-        cores idle and go cold, which a real target's rounds do not."""
-        if not self.verify_delay_busy:
-            time.sleep(self.verify_delay_s)
-            return
-        end = time.perf_counter() + self.verify_delay_s
-        while time.perf_counter() < end:
-            pass
-
     def queue_taps(self, seq: Sequence, taps: list[mx.array] | mx.array) -> None:
         """Taps of rows now in the target cache: context the drafter has not seen yet."""
         taps = taps if isinstance(taps, list) else [taps]
@@ -274,8 +262,6 @@ class Decoder:
     def _plain_step(self, seq, params, max_tokens, eos_ids, key, stop_check) -> Step:
         t0 = time.perf_counter()
         logits, taps = self.target.forward(mx.array([seq.anchor]), seq.cache, self.tap_ids)
-        if self.verify_delay_s:
-            self._delay()
         token = self._sample_one(logits, params, key)
         seq.cached_tokens.append(seq.anchor)
         if taps is not None:
@@ -362,8 +348,6 @@ class Decoder:
         t1 = time.perf_counter()
         block = mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
         logits, taps, tape = self.target.verify(block, seq.cache, self.tap_ids)
-        if self.verify_delay_s:
-            self._delay()
         seq.last_tape = tape
         if params.greedy:
             accepted, bonus = accept_greedy(drafts, logits)
