@@ -27,6 +27,58 @@ log = logging.getLogger("sanctum.verifier")
 
 
 @dataclass
+class ReencodingWatch:
+    """Where the next turn's prompt will stop matching this request's entry, and the recurrent
+    state there (a rung at save time).
+
+    A chat client sends the reply back as text, and the next turn's template re-encodes it.
+    A generated token sequence is often not the tokenizer's own encoding of its text (a model
+    may emit "\n   " where the encoder gives "\n" + "   "), so the next prompt leaves the entry
+    at the first such place, inside the completion, where no rung sits: the resume would fall
+    back to the prompt boundary. After each round the completion is re-encoded; at the first
+    difference that later text can no longer change, the state comes from one of the last two
+    rounds (any row of a verify tape, or a plain step's end)."""
+
+    MAX_TOKENS = 256  # re-encoding the completion each round: ~0.4 ms at 256 tokens
+
+    prompt_len: int
+    recent: list = field(default_factory=list)  # the last rounds' (start, end, tape | state)
+    done: bool = False
+    position: int | None = None  # cached tokens of the next turn's common prefix
+    state: list | None = None  # the GDN states there
+
+    def observe(self, target: Target, seq: Sequence, before: int, step) -> None:
+        after = cache_offset(seq.cache)
+        if step.stats is not None and step.stats.bs > 1 and seq.last_tape is not None:
+            self.recent.append((before, after, seq.last_tape))
+        else:
+            self.recent.append((after, after, target.recurrent_state(seq.cache)))
+        del self.recent[:-2]  # the state of rows committed before these rounds is gone
+        ids = seq.completion
+        if len(ids) > self.MAX_TOKENS:
+            self.done = True
+            return
+        tok = target.tokenizer
+        canonical = tok.encode(tok.decode(ids), add_special_tokens=False)
+        # the last tokens may still merge differently as text follows, unless nothing will
+        margin = 2 if seq.finished is None else 0
+        stable = min(len(ids), len(canonical)) - margin
+        first = next((j for j in range(stable) if ids[j] != canonical[j]), None)
+        self.done = first is not None or seq.finished is not None
+        if first is None:
+            return
+        position = self.prompt_len + first
+        for start, end, saved in self.recent:
+            if isinstance(saved, VerifyTape) and start <= position <= end:
+                self.position, self.state = position, saved.recurrent_state_at(position - start)
+            elif position == end:
+                self.position, self.state = position, saved
+            else:
+                continue
+            return
+
+
+@dataclass
 class Active:
     """One open request on the verifier."""
 
@@ -41,10 +93,7 @@ class Active:
     captured: dict = field(default_factory=dict)  # rung position -> GDN states from prefill
     stops: tuple = ()  # where prefill must pause to capture a rung (absolute positions)
     started: float = field(default_factory=time.perf_counter)
-    # where the next turn's prefix will end inside this completion (see `_watch_retokenization`)
-    next_turn_end: int | None = None
-    watching: bool = False
-    recent: list = field(default_factory=list)  # the last rounds' (start, end, tape | state)
+    watch: ReencodingWatch | None = None  # chat requests with a cache: see ReencodingWatch
 
     @property
     def finished(self) -> bool:
@@ -150,7 +199,8 @@ class Verifier:
                      make_key(req.seed), usage, prompt_ids, starts, plan, started=started)  # fmt: skip
         if self.store is not None:
             act.stops = prefill_stops(self.ladder_depth, len(prompt_ids), plan.resumed_at, starts)
-        act.watching = self.store is not None and req.use_cache and req.messages is not None
+        if self.store is not None and req.use_cache and req.messages is not None:
+            act.watch = ReencodingWatch(len(prompt_ids))
         log.info(
             "ladder resume: kv=%s mode=%s prompt_tokens=%d requested_lcp=%d resumed_at=%d "
             "recovered=%d prefix_cached=%d cache_hit_ratio=%.4f",
@@ -187,8 +237,8 @@ class Verifier:
         step = self.decoder.step(
             act.seq, act.req.sampling(), act.req.max_tokens, self.eos_ids, sub, act.stream.check
         )
-        if act.watching:
-            self._watch_retokenization(act, before, step)
+        if act.watch is not None and not act.watch.done:
+            act.watch.observe(self.target, act.seq, before, step)
         s = step.stats
         act.usage.rounds += 1
         self.metrics.add_round(s)
@@ -221,52 +271,6 @@ class Verifier:
             self.close(act)
 
     # ---- internals -------------------------------------------------------------------------
-    WATCH_MAX_TOKENS = 256  # re-encoding the completion each round: ~0.4 ms at 256 tokens
-
-    def _watch_retokenization(self, act: Active, before: int, step) -> None:
-        """Place a rung where the next turn's prompt will stop matching this entry.
-
-        A chat client sends the reply back as text, and the next turn's template re-encodes it.
-        A generated token sequence is often not the tokenizer's own encoding of its text (a model
-        may emit "\n   " where the encoder gives "\n" + "   "), so the next prompt leaves this
-        entry's tokens at the first such place, inside the completion, where no rung sits: the
-        resume would fall back to the prompt boundary. Each round re-encodes the completion; at
-        the first difference that later text can no longer change, the recurrent state there
-        comes from the round's verify tape (any row of it) and becomes a rung at save time."""
-        seq = act.seq
-        after = cache_offset(seq.cache)
-        if step.stats is not None and step.stats.bs > 1 and seq.last_tape is not None:
-            act.recent.append((before, after, seq.last_tape))
-        else:
-            act.recent.append((after, after, self.target.recurrent_state(seq.cache)))
-        del act.recent[:-2]  # the state of rows committed before these rounds is gone
-        ids = seq.completion
-        if len(ids) > self.WATCH_MAX_TOKENS:
-            act.watching = False
-            return
-        tok = self.target.tokenizer
-        canonical = tok.encode(tok.decode(ids), add_special_tokens=False)
-        # the last tokens may still merge differently as text follows, unless nothing will
-        margin = 2 if seq.finished is None else 0
-        stable = min(len(ids), len(canonical)) - margin
-        first = next((j for j in range(stable) if ids[j] != canonical[j]), None)
-        if first is None:
-            act.watching = seq.finished is None
-            return
-        act.watching = False
-        position = len(act.prompt_ids) + first  # cached tokens in the next turn's common prefix
-        for start, end, saved in act.recent:
-            if start <= position <= end:
-                if isinstance(saved, VerifyTape):
-                    state = saved.recurrent_state_at(position - start)
-                elif position == end:
-                    state = saved
-                else:
-                    continue
-                act.captured[position] = state
-                act.next_turn_end = position
-                return
-
     def _plan(self, kv: str, prompt_ids: list[int]) -> ResumePlan:
         try:
             return self.store.plan(self.model_key(kv), prompt_ids)
@@ -278,8 +282,11 @@ class Verifier:
         seq = act.seq
         end = len(seq.cached_tokens)
         captured = {**act.captured, end: self.target.recurrent_state(seq.cache)}
+        next_turn_end = act.watch.position if act.watch is not None else None
+        if next_turn_end is not None:
+            captured[next_turn_end] = act.watch.state
         rungs = choose_rungs(self.ladder_depth, len(act.prompt_ids), end, act.message_starts,
-                             captured, act.plan.rungs, act.next_turn_end)  # fmt: skip
+                             captured, act.plan.rungs, next_turn_end)  # fmt: skip
         taps = mx.concatenate(seq.tap_history) if seq.tap_history else None
         if taps is not None and taps.shape[0] != end:
             taps = None  # incomplete history (e.g. resumed without taps): the drafter restarts cold
