@@ -261,6 +261,77 @@ def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
         backend.close()
 
 
+def test_event_socket_streams_requests_and_cancels_orphans(pair, engine):
+    """The verifier's event socket (same-host front ends) over the real scheduler: requests
+    multiplexed on one connection give the engine's output; a bad request is an error event; a
+    wrong authkey is refused; a front end that goes away has its open requests cancelled; a
+    verifier that goes away ends the front end's open requests with ChannelBroken."""
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client as RawClient
+
+    from sanctum.api.convert import chunk_from_proto, request_from_proto, request_to_proto
+    from sanctum.cluster.backend import InlineBackend, serve_settings
+    from sanctum.cluster.events import EventClient, EventServer
+    from sanctum.cluster.transport import ChannelBroken
+    from sanctum.requests import GenerateRequest
+
+    _, _, reference = engine
+    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none",
+                                           round_delay_ms=20, env={}))  # fmt: skip
+    server = None
+    try:
+        backend.ready(60)
+        sched = backend.scheduler
+
+        def submit(sub, sink):
+            req = request_from_proto(sub.request, sub.request_id)
+            sched.submit(req, sub.mode, sub.deadline_unix or None, sink=sink)
+
+        server = EventServer(submit, sched.cancel)
+
+        def send(client, prompt, max_tokens):
+            req = GenerateRequest(prompt=prompt, max_tokens=max_tokens)
+            sub = roles.Submit(request=request_to_proto(req), request_id=req.request_id)
+            return req.request_id, client.submit(sub)
+
+        client = EventClient(server.address, server.authkey)
+        calls = [send(client, p, 20) for p in PROMPTS[:2]]  # both in flight on one connection
+        for (rid, q), prompt in zip(calls, PROMPTS[:2], strict=True):
+            events = list(client.events(rid, q))
+            assert events[-1].end and [e.chunk.index for e in events[:-1]] == list(
+                range(len(events) - 1)
+            )
+            chunks = [chunk_from_proto(e.chunk) for e in events[:-1]]
+            assert [t for c in chunks for t in c.token_ids] == reference(prompt, 20)
+
+        rid, q = send(client, "", 4)
+        (bad,) = list(client.events(rid, q))
+        assert bad.error.code == roles.RoleError.INVALID_ARGUMENT and bad.error.field == "prompt"
+
+        with pytest.raises(AuthenticationError):
+            RawClient(server.address, family="AF_UNIX", authkey=b"wrong")
+
+        cancelled = sched.stats()["cancelled"]
+        rid, q = send(client, PROMPTS[3], 3000)
+        stream = client.events(rid, q)
+        next(stream), next(stream)
+        client.close()  # the front end goes away mid-request
+        assert wait_for(sched.idle, 10) and sched.stats()["cancelled"] == cancelled + 1
+
+        other = EventClient(server.address, server.authkey)  # still accepting
+        rid, q = send(other, PROMPTS[3], 3000)
+        stream = other.events(rid, q)
+        next(stream)
+        server.close()  # the verifier goes away
+        with pytest.raises(ChannelBroken):
+            list(stream)
+        assert other.broken
+    finally:
+        if server is not None:
+            server.close()
+        backend.close()
+
+
 def test_long_prompt_prefills_in_slices_between_rounds(pair, engine):
     """A long prompt arriving while another request decodes is prefilled a slice at a time, with
     the other request's rounds in between (its stream does not stall for the whole prompt), and
@@ -363,6 +434,33 @@ def test_drafter_transports_give_the_engine_output(cluster, engine, pair, transp
     )
     # the role processes run at normal priority (Ray's default would be niceness 15)
     assert all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid in backend.pids().values())
+
+
+@pytest.mark.slow
+def test_events_over_the_socket_and_the_ray_stream_agree(cluster, engine):
+    """A front end on the verifier's host takes events over the socket; one that is told the
+    object store (as across hosts) over a Ray stream per request: same chunks, same errors."""
+    from dataclasses import replace
+
+    from sanctum.cluster.actors import ClusterBackend
+    from sanctum.requests import GenerateRequest, InvalidRequest
+
+    backend, _ = cluster
+    _, _, reference = engine
+    assert backend.events_path == "socket"
+    settings = replace(backend.settings, transport="object_store")
+    remote = ClusterBackend(settings, backend.verifier, backend.drafter, backend.store)
+    remote.ready(60)  # (not closed below: closing a backend kills the actors)
+    assert remote.events_path == "ray"
+    outs = []
+    for b in (backend, remote):
+        chunks = list(b.submit(GenerateRequest(prompt=PROMPTS[1], max_tokens=24, use_cache=False)))
+        assert chunks[-1].finish_reason and chunks[-1].usage.completion_tokens == 24
+        outs.append([(c.token_ids, c.drafted, c.accepted) for c in chunks])
+        with pytest.raises(InvalidRequest):
+            list(b.submit(GenerateRequest(prompt="", max_tokens=4)))
+    assert outs[0] == outs[1]
+    assert [t for ids, _, _ in outs[0] for t in ids] == reference(PROMPTS[1], 24)
 
 
 @pytest.mark.slow

@@ -3,8 +3,9 @@ front end's `ClusterBackend` that talks to them.
 
 - `VerifierActor`: the target, its live caches and the `Scheduler` (the same one inline mode
   uses); the drafter head (the target's LM head + DFlash 2 selector) lives here, see
-  cluster/drafter.py. Streams each request's chunks back as a Ray streaming generator of
-  `VerifierEvents` (roles.proto), several chunks per item when the consumer lags.
+  cluster/drafter.py. Sends each request's chunks back to the front end over one Unix socket
+  per front end on its host (cluster/events.py), or as a Ray streaming generator of
+  `VerifierEvents` (roles.proto) to a front end on another host.
   Restarts forever; in-flight requests are NOT retried (their callers get UNAVAILABLE).
 - `DrafterActor`: only the drafter body; per-round traffic arrives over shared memory
   (cluster/transport.py), never as an actor call, except across hosts. Restarts forever;
@@ -28,13 +29,15 @@ import uuid
 import numpy as np
 import ray
 
-from ..api.convert import chunk_from_proto, chunk_to_proto, request_from_proto, request_to_proto
+from ..api.convert import chunk_from_proto, request_from_proto, request_to_proto
 from ..api.gen import inference_pb2 as pb
 from ..api.gen import roles_pb2 as roles
 from ..config import OPENBLAS_IDLE_SPIN
-from ..requests import InvalidRequest, Limits
+from ..requests import Limits
 from .backend import ServeSettings, make_verifier, stats_message, target_shape
-from .scheduler import End, InternalError, QueueFull, Unavailable
+from .events import EventClient, EventServer, ends, error_event, error_from_wire, to_event
+from .scheduler import InternalError, Unavailable
+from .transport import ChannelBroken
 
 log = logging.getLogger("sanctum.cluster")
 
@@ -59,35 +62,6 @@ def _setup_process() -> None:
     # The MLX thread shares the GIL with Ray's and the stream's threads; when a drafter reply
     # arrives it should get the GIL back within 0.5 ms, not the default 5 ms switch interval.
     sys.setswitchinterval(float(os.environ.get("SANCTUM_SWITCH_INTERVAL_S", "0.0005")))
-
-
-# ---- errors on the wire --------------------------------------------------------------------
-
-
-def error_event(exc: BaseException) -> roles.VerifierEvent:
-    E = roles.RoleError
-    if isinstance(exc, InvalidRequest):
-        text = str(exc)
-        text = text[len(exc.field) + 2 :] if text.startswith(f"{exc.field}: ") else text
-        err = E(code=E.INVALID_ARGUMENT, field=exc.field, message=text)
-    elif isinstance(exc, QueueFull):
-        err = E(code=E.RESOURCE_EXHAUSTED, message=str(exc))
-    elif isinstance(exc, Unavailable):
-        err = E(code=E.UNAVAILABLE, message=str(exc))
-    else:
-        err = E(code=E.INTERNAL, message=str(exc) or exc.__class__.__name__)
-    return roles.VerifierEvent(error=err)
-
-
-def error_from_wire(err: roles.RoleError) -> Exception:
-    E = roles.RoleError
-    if err.code == E.INVALID_ARGUMENT:
-        return InvalidRequest(err.field, err.message)
-    if err.code == E.RESOURCE_EXHAUSTED:
-        return QueueFull(err.message)
-    if err.code == E.UNAVAILABLE:
-        return Unavailable(err.message)
-    return InternalError(err.message)
 
 
 # ---- the actors ------------------------------------------------------------------------------
@@ -215,6 +189,7 @@ class VerifierActor:
         )  # fmt: skip
         self.scheduler.wait_ready()
         self.verifier = self.scheduler.verifier
+        self.events = EventServer(self._submit, self.scheduler.cancel)
         log.info("verifier: %s loaded; drafter transport %s", settings.engine.model,
                  self.peer.kind if self.peer else "none")  # fmt: skip
 
@@ -223,31 +198,34 @@ class VerifierActor:
         lim = self.verifier.limits
         return lim.vocab_size, lim.max_context, lim.max_tokens
 
+    def events_address(self) -> tuple[str, bytes, str]:
+        """(Unix socket, authkey, node id): a front end on this host takes its requests' events
+        there (cluster/events.py) instead of a Ray stream per request."""
+        node = ray.get_runtime_context().get_node_id()
+        return self.events.address, self.events.authkey, node
+
+    def _submit(self, sub: roles.Submit, sink=None):
+        req = request_from_proto(sub.request, sub.request_id)
+        deadline = sub.deadline_unix or None
+        return self.scheduler.submit(req, sub.mode or "streaming", deadline, sink=sink)
+
     def generate(self, submit: bytes):
-        """Streaming: VerifierEvents (bytes) per item, until the request ends."""
-        sub = roles.Submit.FromString(submit)
+        """The Ray-stream path (a front end on another host): VerifierEvents (bytes) per item,
+        every event ready at that moment, until the request ends."""
         try:
-            req = request_from_proto(sub.request, sub.request_id)
-            ticket = self.scheduler.submit(req, sub.mode or "streaming", sub.deadline_unix or None)
+            ticket = self._submit(roles.Submit.FromString(submit))
         except Exception as exc:
             yield roles.VerifierEvents(events=[error_event(exc)]).SerializeToString()
             return
         index = 0
         while True:
             events = roles.VerifierEvents()
-            done = False
-            for item in ticket.next_batch():
-                if isinstance(item, End):
-                    done = True
-                elif isinstance(item, BaseException):
-                    events.events.append(error_event(item))
-                    done = True
-                else:
-                    events.events.add().chunk.CopyFrom(chunk_to_proto(item, index))
-                    index += 1
-            if events.events:
-                yield events.SerializeToString()
-            if done:
+            batch = ticket.next_batch()
+            for item in batch:
+                events.events.append(to_event(item, index))
+                index += 0 if ends(item) else 1
+            yield events.SerializeToString()
+            if ends(batch[-1]):
                 return
 
     def cancel(self, request_id: str) -> bool:
@@ -326,39 +304,94 @@ class ClusterBackend:
         self.on_health = None  # callable(bool): the server flips health while the verifier restarts
         self.limits = None
         self._watching = threading.Lock()
+        # how requests' events come back: "socket" (one connection, same host: events.py) or
+        # "ray" (a Ray stream per request); None until known (again after a verifier restart)
+        self.events_path: str | None = None
+        self._events: EventClient | None = None
+        self._events_lock = threading.Lock()
 
     def ready(self, timeout: float | None = None) -> None:
         """Block until the verifier (and through it the drafter and store) has loaded."""
         self.limits = Limits(*ray.get(self.verifier.ready.remote(), timeout=timeout))
+        self._event_client(timeout)
+
+    def _event_client(self, timeout: float | None = 60.0) -> EventClient | None:
+        """The connection for events when the verifier is on this host; None: Ray streams."""
+        with self._events_lock:
+            if self._events is not None and not self._events.broken:
+                return self._events
+            if self.events_path == "ray" or self.settings.transport == "object_store":
+                self.events_path = "ray"
+                return None
+            try:
+                address, authkey, node = ray.get(
+                    self.verifier.events_address.remote(), timeout=timeout
+                )
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                raise Unavailable("the verifier is restarting; retry shortly") from None
+            if (
+                self.settings.transport == "auto"
+                and node != ray.get_runtime_context().get_node_id()
+            ):
+                self.events_path = "ray"
+                return None
+            try:
+                self._events = EventClient(address, authkey)
+            except OSError as exc:
+                raise Unavailable(f"cannot reach the verifier's event socket: {exc}") from None
+            self.events_path = "socket"
+            return self._events
 
     def submit(self, req, mode: str = "streaming", deadline: float | None = None):
         sub = roles.Submit(request=request_to_proto(req), request_id=req.request_id, mode=mode,
                            deadline_unix=deadline or 0.0)  # fmt: skip
-        stream = self.verifier.generate.options(num_returns="streaming").remote(
-            sub.SerializeToString()
-        )
-        return self._chunks(stream)
+        events = self._event_client()
+        if events is None:
+            stream = self.verifier.generate.options(num_returns="streaming").remote(
+                sub.SerializeToString()
+            )
+            return self._chunks(self._ray_events(stream))
+        try:
+            q = events.submit(sub)
+        except ChannelBroken:
+            self._verifier_lost()
+            raise Unavailable(self.LOST) from None
+        return self._chunks(events.events(req.request_id, q))
 
-    def _chunks(self, stream):
+    LOST = (
+        "the verifier actor died while serving this request; it is restarting, "
+        "retry the request shortly"
+    )
+
+    @staticmethod
+    def _ray_events(stream):
         try:
             for ref in stream:
-                for ev in roles.VerifierEvents.FromString(ray.get(ref)).events:
-                    if ev.HasField("error"):
-                        raise error_from_wire(ev.error)
-                    yield chunk_from_proto(ev.chunk)
+                yield from roles.VerifierEvents.FromString(ray.get(ref)).events
         except ray.exceptions.RayActorError:
-            self._verifier_lost()
-            raise Unavailable(
-                "the verifier actor died while serving this request; it is restarting, "
-                "retry the request shortly"
-            ) from None
+            raise ChannelBroken("the verifier actor died") from None
         except ray.exceptions.RayTaskError as exc:
             raise InternalError(f"verifier task failed: {exc.cause!r}") from None
+
+    def _chunks(self, events):
+        try:
+            for ev in events:
+                kind = ev.WhichOneof("kind")
+                if kind == "error":
+                    raise error_from_wire(ev.error)
+                if kind == "chunk":
+                    yield chunk_from_proto(ev.chunk)
+        except ChannelBroken:
+            self._verifier_lost()
+            raise Unavailable(self.LOST) from None
 
     def _verifier_lost(self) -> None:
         """Report NOT_SERVING until the restarted verifier has loaded its models."""
         if not self._watching.acquire(blocking=False):
             return
+        with self._events_lock:
+            if self.events_path == "ray":  # the restarted verifier may run on another host
+                self.events_path = None
         if self.on_health:
             self.on_health(False)
 
@@ -379,6 +412,10 @@ class ClusterBackend:
         threading.Thread(target=watch, name="sanctum-verifier-watch", daemon=True).start()
 
     def cancel(self, request_id: str) -> None:
+        events = self._events
+        if events is not None and not events.broken:
+            events.cancel(request_id)
+            return
         with contextlib.suppress(Exception):  # a dead verifier has nothing left to cancel
             self.verifier.cancel.remote(request_id)
 
@@ -416,6 +453,8 @@ class ClusterBackend:
         return {k: ray.get(h.pid.remote(), timeout=60) for k, h in handles.items() if h is not None}
 
     def close(self) -> None:
+        if self._events is not None:
+            self._events.close()
         for h in (self.verifier, self.drafter, self.store):
             if h is not None:
                 with contextlib.suppress(Exception):  # already gone

@@ -56,6 +56,8 @@ class Ticket:
     mode: str = "streaming"
     deadline: float | None = None  # time.time() after which the request stops
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # where the worker thread puts the items: a queue the handler reads, or any object with
+    # `put` (the verifier actor's socket sink, cluster/events.py)
     items: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
     @property
@@ -128,9 +130,16 @@ class Scheduler:
 
     # ---- handler side ------------------------------------------------------------------------
     def submit(
-        self, req: GenerateRequest, mode: str = "streaming", deadline: float | None = None
+        self,
+        req: GenerateRequest,
+        mode: str = "streaming",
+        deadline: float | None = None,
+        sink=None,
     ) -> Ticket:
-        ticket = Ticket(req, mode, deadline)
+        """Queue `req`; its items go to the returned ticket's queue, or to `sink.put`."""
+        ticket = (
+            Ticket(req, mode, deadline) if sink is None else Ticket(req, mode, deadline, items=sink)
+        )
         with self._cv:
             if not self._accepting:
                 raise Unavailable("the server is draining; no new requests")

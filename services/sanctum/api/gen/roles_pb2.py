@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import inference_pb2 as sanctum_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sanctum/v1/roles.proto\x12\x10sanctum.roles.v1\x1a\x1asanctum/v1/inference.proto\"o\n\x06Submit\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.sanctum.v1.GenerateRequest\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x15\n\rdeadline_unix\x18\x04 \x01(\x01\"\xb0\x01\n\tRoleError\x12.\n\x04\x63ode\x18\x01 \x01(\x0e\x32 .sanctum.roles.v1.RoleError.Code\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"S\n\x04\x43ode\x12\x0c\n\x08INTERNAL\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x01\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x02\x12\x0f\n\x0bUNAVAILABLE\x10\x03\"t\n\rVerifierEvent\x12-\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1c.sanctum.v1.GenerateResponseH\x00\x12,\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1b.sanctum.roles.v1.RoleErrorH\x00\x42\x06\n\x04kind\"A\n\x0eVerifierEvents\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.sanctum.roles.v1.VerifierEvent\"9\n\tTensorRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"-\n\x0b\x44raftAttach\x12\x10\n\x08shm_name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\x1b\n\tDraftOpen\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\"\x1c\n\nDraftClose\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\"\xba\x01\n\tDraftCall\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x03\x12-\n\x08new_taps\x18\x03 \x01(\x0b\x32\x1b.sanctum.roles.v1.TensorRef\x12\x31\n\x0c\x62lock_embeds\x18\x04 \x01(\x0b\x32\x1b.sanctum.roles.v1.TensorRef\x12\x14\n\x0creply_offset\x18\x05 \x01(\x04\x12\x16\n\x0ereply_capacity\x18\x06 \x01(\x04\"\xe0\x01\n\x0c\x44raftRequest\x12/\n\x06\x61ttach\x18\x01 \x01(\x0b\x32\x1d.sanctum.roles.v1.DraftAttachH\x00\x12+\n\x04open\x18\x02 \x01(\x0b\x32\x1b.sanctum.roles.v1.DraftOpenH\x00\x12,\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x1b.sanctum.roles.v1.DraftCallH\x00\x12-\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x1c.sanctum.roles.v1.DraftCloseH\x00\x12\x0f\n\x07\x63\x61ll_id\x18\x05 \x01(\x04\x42\x04\n\x02op\"\x7f\n\nDraftReply\x12+\n\x06hidden\x18\x01 \x01(\x0b\x32\x1b.sanctum.roles.v1.TensorRef\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x10\n\x08not_open\x18\x03 \x01(\x08\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x0f\n\x07\x63\x61ll_id\x18\x05 \x01(\x04\"}\n\x0b\x44rafterInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07\x61uthkey\x18\x03 \x01(\x0c\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x05 \x01(\t\x12\x0c\n\x04\x62its\x18\x06 \x01(\r\x12\x0f\n\x07started\x18\x07 \x01(\x01\"2\n\tPlanQuery\x12\x11\n\tmodel_key\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\"f\n\x0cTensorLayout\x12\x11\n\tkv_layers\x18\x01 \x03(\r\x12\r\n\x05rungs\x18\x02 \x03(\r\x12\x12\n\ngdn_layers\x18\x03 \x01(\r\x12\x10\n\x08has_taps\x18\x04 \x01(\x08\x12\x0e\n\x06\x64types\x18\x05 \x03(\t\"\x7f\n\x10ResumePlanHeader\x12\x15\n\rrequested_lcp\x18\x01 \x01(\r\x12\x12\n\nresumed_at\x18\x02 \x01(\r\x12\x10\n\x08\x65ntry_id\x18\x03 \x01(\t\x12.\n\x06layout\x18\x04 \x01(\x0b\x32\x1e.sanctum.roles.v1.TensorLayout\"\x82\x01\n\x0b\x45ntryHeader\x12\x11\n\tmodel_key\x18\x01 \x01(\t\x12\x0f\n\x07kv_mode\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12.\n\x06layout\x18\x04 \x01(\x0b\x32\x1e.sanctum.roles.v1.TensorLayout\x12\x0f\n\x07\x63reated\x18\x05 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sanctum/v1/roles.proto\x12\x10sanctum.roles.v1\x1a\x1asanctum/v1/inference.proto\"o\n\x06Submit\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.sanctum.v1.GenerateRequest\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x15\n\rdeadline_unix\x18\x04 \x01(\x01\"\xb0\x01\n\tRoleError\x12.\n\x04\x63ode\x18\x01 \x01(\x0e\x32 .sanctum.roles.v1.RoleError.Code\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"S\n\x04\x43ode\x12\x0c\n\x08INTERNAL\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x01\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x02\x12\x0f\n\x0bUNAVAILABLE\x10\x03\"\x97\x01\n\rVerifierEvent\x12-\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1c.sanctum.v1.GenerateResponseH\x00\x12,\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1b.sanctum.roles.v1.RoleErrorH\x00\x12\r\n\x03\x65nd\x18\x03 \x01(\x08H\x00\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x06\n\x04kind\"A\n\x0eVerifierEvents\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.sanctum.roles.v1.VerifierEvent\"U\n\x0f\x46rontEndMessage\x12*\n\x06submit\x18\x01 \x01(\x0b\x32\x18.sanctum.roles.v1.SubmitH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\x04\n\x02op\"9\n\tTensorRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"-\n\x0b\x44raftAttach\x12\x10\n\x08shm_name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"\x1b\n\tDraftOpen\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\"\x1c\n\nDraftClose\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\"\xba\x01\n\tDraftCall\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x03\x12-\n\x08new_taps\x18\x03 \x01(\x0b\x32\x1b.sanctum.roles.v1.TensorRef\x12\x31\n\x0c\x62lock_embeds\x18\x04 \x01(\x0b\x32\x1b.sanctum.roles.v1.TensorRef\x12\x14\n\x0creply_offset\x18\x05 \x01(\x04\x12\x16\n\x0ereply_capacity\x18\x06 \x01(\x04\"\xe0\x01\n\x0c\x44raftRequest\x12/\n\x06\x61ttach\x18\x01 \x01(\x0b\x32\x1d.sanctum.roles.v1.DraftAttachH\x00\x12+\n\x04open\x18\x02 \x01(\x0b\x32\x1b.sanctum.roles.v1.DraftOpenH\x00\x12,\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x1b.sanctum.roles.v1.DraftCallH\x00\x12-\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x1c.sanctum.roles.v1.DraftCloseH\x00\x12\x0f\n\x07\x63\x61ll_id\x18\x05 \x01(\x04\x42\x04\n\x02op\"\x7f\n\nDraftReply\x12+\n\x06hidden\x18\x01 \x01(\x0b\x32\x1b.sanctum.roles.v1.TensorRef\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x10\n\x08not_open\x18\x03 \x01(\x08\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x0f\n\x07\x63\x61ll_id\x18\x05 \x01(\x04\"}\n\x0b\x44rafterInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07\x61uthkey\x18\x03 \x01(\x0c\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x05 \x01(\t\x12\x0c\n\x04\x62its\x18\x06 \x01(\r\x12\x0f\n\x07started\x18\x07 \x01(\x01\"2\n\tPlanQuery\x12\x11\n\tmodel_key\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\"f\n\x0cTensorLayout\x12\x11\n\tkv_layers\x18\x01 \x03(\r\x12\r\n\x05rungs\x18\x02 \x03(\r\x12\x12\n\ngdn_layers\x18\x03 \x01(\r\x12\x10\n\x08has_taps\x18\x04 \x01(\x08\x12\x0e\n\x06\x64types\x18\x05 \x03(\t\"\x7f\n\x10ResumePlanHeader\x12\x15\n\rrequested_lcp\x18\x01 \x01(\r\x12\x12\n\nresumed_at\x18\x02 \x01(\r\x12\x10\n\x08\x65ntry_id\x18\x03 \x01(\t\x12.\n\x06layout\x18\x04 \x01(\x0b\x32\x1e.sanctum.roles.v1.TensorLayout\"\x82\x01\n\x0b\x45ntryHeader\x12\x11\n\tmodel_key\x18\x01 \x01(\t\x12\x0f\n\x07kv_mode\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12.\n\x06layout\x18\x04 \x01(\x0b\x32\x1e.sanctum.roles.v1.TensorLayout\x12\x0f\n\x07\x63reated\x18\x05 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,32 +38,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLEERROR']._serialized_end=362
   _globals['_ROLEERROR_CODE']._serialized_start=279
   _globals['_ROLEERROR_CODE']._serialized_end=362
-  _globals['_VERIFIEREVENT']._serialized_start=364
-  _globals['_VERIFIEREVENT']._serialized_end=480
-  _globals['_VERIFIEREVENTS']._serialized_start=482
-  _globals['_VERIFIEREVENTS']._serialized_end=547
-  _globals['_TENSORREF']._serialized_start=549
-  _globals['_TENSORREF']._serialized_end=606
-  _globals['_DRAFTATTACH']._serialized_start=608
-  _globals['_DRAFTATTACH']._serialized_end=653
-  _globals['_DRAFTOPEN']._serialized_start=655
-  _globals['_DRAFTOPEN']._serialized_end=682
-  _globals['_DRAFTCLOSE']._serialized_start=684
-  _globals['_DRAFTCLOSE']._serialized_end=712
-  _globals['_DRAFTCALL']._serialized_start=715
-  _globals['_DRAFTCALL']._serialized_end=901
-  _globals['_DRAFTREQUEST']._serialized_start=904
-  _globals['_DRAFTREQUEST']._serialized_end=1128
-  _globals['_DRAFTREPLY']._serialized_start=1130
-  _globals['_DRAFTREPLY']._serialized_end=1257
-  _globals['_DRAFTERINFO']._serialized_start=1259
-  _globals['_DRAFTERINFO']._serialized_end=1384
-  _globals['_PLANQUERY']._serialized_start=1386
-  _globals['_PLANQUERY']._serialized_end=1436
-  _globals['_TENSORLAYOUT']._serialized_start=1438
-  _globals['_TENSORLAYOUT']._serialized_end=1540
-  _globals['_RESUMEPLANHEADER']._serialized_start=1542
-  _globals['_RESUMEPLANHEADER']._serialized_end=1669
-  _globals['_ENTRYHEADER']._serialized_start=1672
-  _globals['_ENTRYHEADER']._serialized_end=1802
+  _globals['_VERIFIEREVENT']._serialized_start=365
+  _globals['_VERIFIEREVENT']._serialized_end=516
+  _globals['_VERIFIEREVENTS']._serialized_start=518
+  _globals['_VERIFIEREVENTS']._serialized_end=583
+  _globals['_FRONTENDMESSAGE']._serialized_start=585
+  _globals['_FRONTENDMESSAGE']._serialized_end=670
+  _globals['_TENSORREF']._serialized_start=672
+  _globals['_TENSORREF']._serialized_end=729
+  _globals['_DRAFTATTACH']._serialized_start=731
+  _globals['_DRAFTATTACH']._serialized_end=776
+  _globals['_DRAFTOPEN']._serialized_start=778
+  _globals['_DRAFTOPEN']._serialized_end=805
+  _globals['_DRAFTCLOSE']._serialized_start=807
+  _globals['_DRAFTCLOSE']._serialized_end=835
+  _globals['_DRAFTCALL']._serialized_start=838
+  _globals['_DRAFTCALL']._serialized_end=1024
+  _globals['_DRAFTREQUEST']._serialized_start=1027
+  _globals['_DRAFTREQUEST']._serialized_end=1251
+  _globals['_DRAFTREPLY']._serialized_start=1253
+  _globals['_DRAFTREPLY']._serialized_end=1380
+  _globals['_DRAFTERINFO']._serialized_start=1382
+  _globals['_DRAFTERINFO']._serialized_end=1507
+  _globals['_PLANQUERY']._serialized_start=1509
+  _globals['_PLANQUERY']._serialized_end=1559
+  _globals['_TENSORLAYOUT']._serialized_start=1561
+  _globals['_TENSORLAYOUT']._serialized_end=1663
+  _globals['_RESUMEPLANHEADER']._serialized_start=1665
+  _globals['_RESUMEPLANHEADER']._serialized_end=1792
+  _globals['_ENTRYHEADER']._serialized_start=1795
+  _globals['_ENTRYHEADER']._serialized_end=1925
 # @@protoc_insertion_point(module_scope)

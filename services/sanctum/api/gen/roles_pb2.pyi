@@ -41,18 +41,30 @@ class RoleError(_message.Message):
     def __init__(self, code: _Optional[_Union[RoleError.Code, str]] = ..., field: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class VerifierEvent(_message.Message):
-    __slots__ = ("chunk", "error")
+    __slots__ = ("chunk", "error", "end", "request_id")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     chunk: _inference_pb2.GenerateResponse
     error: RoleError
-    def __init__(self, chunk: _Optional[_Union[_inference_pb2.GenerateResponse, _Mapping]] = ..., error: _Optional[_Union[RoleError, _Mapping]] = ...) -> None: ...
+    end: bool
+    request_id: str
+    def __init__(self, chunk: _Optional[_Union[_inference_pb2.GenerateResponse, _Mapping]] = ..., error: _Optional[_Union[RoleError, _Mapping]] = ..., end: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class VerifierEvents(_message.Message):
     __slots__ = ("events",)
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[VerifierEvent]
     def __init__(self, events: _Optional[_Iterable[_Union[VerifierEvent, _Mapping]]] = ...) -> None: ...
+
+class FrontEndMessage(_message.Message):
+    __slots__ = ("submit", "cancel")
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    submit: Submit
+    cancel: str
+    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
 
 class TensorRef(_message.Message):
     __slots__ = ("offset", "shape", "dtype")
