@@ -273,7 +273,7 @@ def test_event_socket_streams_requests_and_cancels_orphans(pair, engine):
     from sanctum.cluster.backend import InlineBackend, serve_settings
     from sanctum.cluster.events import EventClient, EventServer
     from sanctum.cluster.transport import ChannelBroken
-    from sanctum.requests import GenerateRequest
+    from sanctum.requests import GenerateRequest, InvalidRequest
 
     _, _, reference = engine
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none",
@@ -307,6 +307,11 @@ def test_event_socket_streams_requests_and_cancels_orphans(pair, engine):
         rid, q = send(client, "", 4)
         (bad,) = list(client.events(rid, q))
         assert bad.error.code == roles.RoleError.INVALID_ARGUMENT and bad.error.field == "prompt"
+        rid, q = send(client, PROMPTS[0], 4)
+        with pytest.raises(InvalidRequest, match="request_id"):  # while it is still open
+            client.submit(roles.Submit(request=request_to_proto(
+                GenerateRequest(prompt=PROMPTS[1], max_tokens=4)), request_id=rid))  # fmt: skip
+        assert len(list(client.events(rid, q))) > 1  # the first request is unharmed
 
         with pytest.raises(AuthenticationError):
             RawClient(server.address, family="AF_UNIX", authkey=b"wrong")

@@ -246,6 +246,8 @@ class EventClient:
         with self._lock:
             if self.broken:
                 raise ChannelBroken("the verifier's event connection is closed")
+            if sub.request_id in self._queues:  # its events would go to the wrong caller
+                raise InvalidRequest("request_id", f"{sub.request_id!r} is already in use")
             self._queues[sub.request_id] = q  # before sending: the first event may come at once
         try:
             with self._send_lock:
