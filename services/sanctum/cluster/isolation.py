@@ -8,9 +8,7 @@ ways) from the verifier's
 counters, and where each mode's round time goes. `--round-delay-ms` adds a busy wait to
 every target forward in BOTH modes to emulate a slower target: the split's cost stays, the round
 grows (the wait sits in the forward, where a real target spends its time, not where drafts
-overlap; busy, because a sleep would let the cores go cold as a real forward does not). It also reports
-how much one core slows while the others are busy: where that is large (60% on this 2-vCPU
-VM), overlapping the roles' work across processes buys little.
+overlap; busy, because a sleep would let the cores go cold as a real forward does not).
 """
 
 from __future__ import annotations
@@ -58,37 +56,6 @@ def _cpu_seconds(pids: list[int]) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return total
-
-
-def busy_neighbor_slowdown_pct(loops: int = 2_000_000) -> float | None:
-    """How much slower a pure-Python loop runs on one core while every other core is kept busy
-    (%). About 0 where cores are real; this 2-vCPU VM measured 60-68%: its vCPUs share one
-    physical core's execution units, so work overlapped in two processes (the drafter computing
-    during the verifier's rollback) gains little, and every extra CPU-ms the split spends lands on
-    the round. None on a one-core machine."""
-    import subprocess
-    import sys
-
-    others = (os.cpu_count() or 1) - 1
-    if others < 1:
-        return None
-
-    def loop() -> float:
-        t, x = time.perf_counter(), 0
-        for i in range(loops):
-            x += i * i
-        return time.perf_counter() - t
-
-    alone = min(loop() for _ in range(3))
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(others)]
-    try:
-        time.sleep(0.3)
-        busy = min(loop() for _ in range(3))
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
-    return round(100.0 * (busy / alone - 1.0), 1)
 
 
 def _per_token(seconds: float | None, tokens: int) -> float | None:
@@ -223,6 +190,4 @@ def run(args) -> dict:
         "transport_ms_per_round": round(after.transport_ms_per_round, 4),
         "transport_bytes_per_round": round(per_call("transport_bytes_per_round")),
         "greedy_outputs_identical": identical,
-        # what the machine's cores give to work overlapped across processes (see the function)
-        "busy_neighbor_slowdown_pct": busy_neighbor_slowdown_pct(),
     }
