@@ -41,6 +41,12 @@ def add_parser(bsub, add_model_flags) -> None:
         default=0.0,
         help="busy wait added to every target forward in both modes (emulates a slower target)",
     )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=0,
+        help="also run this many requests at once in each mode (aggregate tok/s)",
+    )
     p.add_argument("--transport", choices=("auto", "shm", "object_store"), default="auto")
     p.add_argument("--json", action="store_true")
 
@@ -90,6 +96,49 @@ def _run(backend, prompt: str, max_tokens: int):
     return [t for c in chunks for t in c.token_ids], u.rounds, elapsed, u.elapsed_s
 
 
+def _run_concurrent(backend, prompts: list[str], clients: int, max_tokens: int):
+    """`clients` requests at once (prompts in turn): their tokens, and the seconds until the
+    last one ended."""
+    import threading
+
+    outs: list = [None] * clients
+
+    def one(i: int) -> None:
+        outs[i] = _run(backend, prompts[i % len(prompts)], max_tokens)[0]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs, time.perf_counter() - t0
+
+
+def _concurrent(backends: dict, prompts: list[str], clients: int, max_tokens: int, repeats: int):
+    """Aggregate tok/s of each mode with `clients` requests in flight: the verifier interleaves
+    them round by round, so in the cluster the drafter computes one request's next block while
+    the verifier verifies another's."""
+    tokens = {name: 0 for name in backends}
+    seconds = {name: 0.0 for name in backends}
+    identical, outs = True, {}
+    for rep in range(repeats):
+        names = list(backends) if rep % 2 == 0 else list(backends)[::-1]
+        for name in names:
+            outs[name], elapsed = _run_concurrent(backends[name], prompts, clients, max_tokens)
+            tokens[name] += sum(len(o) for o in outs[name])
+            seconds[name] += elapsed
+        identical &= outs["inline"] == outs["cluster"]
+    tok_s = {name: tokens[name] / seconds[name] for name in backends}
+    return {
+        "clients": clients,
+        "inline_tok_s": round(tok_s["inline"], 2),
+        "cluster_tok_s": round(tok_s["cluster"], 2),
+        "isolation_tax_pct": round(100.0 * (1.0 - tok_s["cluster"] / tok_s["inline"]), 2),
+        "greedy_outputs_identical": identical,
+    }
+
+
 def run(args) -> dict:
     import ray
 
@@ -136,6 +185,10 @@ def run(args) -> dict:
                 identical &= outs["inline"] == outs["cluster"]
                 ratios.append(speed["cluster"] / speed["inline"])
         after = {"inline": inline.stats(), "cluster": cluster.stats()}
+        concurrent = None
+        if args.concurrency > 1:
+            concurrent = _concurrent({"inline": inline, "cluster": cluster}, prompts,
+                                     args.concurrency, args.max_tokens, args.repeats)  # fmt: skip
         cluster.close()
     finally:
         ray.shutdown()
@@ -190,4 +243,6 @@ def run(args) -> dict:
         "transport_ms_per_round": round(after.transport_ms_per_round, 4),
         "transport_bytes_per_round": round(per_call("transport_bytes_per_round")),
         "greedy_outputs_identical": identical,
+        # --concurrency N: N requests at once in each mode (aggregate tok/s), after the above
+        "concurrent": concurrent,
     }
