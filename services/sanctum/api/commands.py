@@ -26,7 +26,8 @@ def register(sub) -> None:
     s.add_argument(
         "--transport",
         choices=("auto", "shm", "object_store"),
-        help="drafter transport (auto: shared memory on one host, else object store)",
+        help="per-round transport to the drafter and back to the front end (auto: shared "
+        "memory and Unix sockets on one host, else the object store and Ray streams)",
     )
     for role in ("verifier", "drafter", "store"):
         s.add_argument(

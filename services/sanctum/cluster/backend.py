@@ -29,7 +29,7 @@ class ServeSettings:
     max_active: int = 8  # requests interleaved round by round
     max_queue: int = 64  # more requests may wait; beyond that RESOURCE_EXHAUSTED
     max_tokens_limit: int = 4096
-    transport: str = "auto"  # drafter transport: auto (by Ray node) | shm | object_store
+    transport: str = "auto"  # drafter + events paths: auto (by Ray node) | shm | object_store
     round_delay_s: float = 0.0  # benchmark/test knob: a slower target (a wait in every forward)
     round_delay_busy: bool = False  # the wait keeps the core busy (benchmarks) or sleeps (tests)
     resources: dict = field(default_factory=dict)  # role -> Ray custom resources (placement)
