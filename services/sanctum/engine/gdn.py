@@ -52,7 +52,7 @@ class GDNTape:
         if keep == 0:
             return conv, self.state_in
         if self.chunk_parts is not None:
-            return conv, state_after(self.state_in, *self.chunk_parts, keep)
+            return conv, _state_after_compiled(keep)(self.state_in, *self.chunk_parts)
         return conv, recurrence(*(t[:, :keep] for t in self.inputs), self.state_in)[1]
 
     def rollback(self, keep: int) -> None:
@@ -68,6 +68,15 @@ def state_after(state_in, k, decay, v_new, rows: int) -> mx.array:
     kd = k[:, :, :rows] * mx.exp(last - decay[..., :rows])[..., None]
     S = S * mx.exp(last)[..., None] + kd.swapaxes(-1, -2) @ v_new[:, :, :rows]
     return S.swapaxes(-1, -2)
+
+
+def _state_after_compiled(rows: int):
+    """`state_after` for `rows` as one compiled graph (its elementwise ops fused): a rollback
+    runs it once per GDN layer, every round."""
+    key = ("state_after", rows)
+    if key not in _compiled:
+        _compiled[key] = mx.compile(lambda s, k, d, v: state_after(s, k, d, v, rows))
+    return _compiled[key]
 
 
 def _use_kernel(k: mx.array) -> bool:
