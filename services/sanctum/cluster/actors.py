@@ -298,6 +298,10 @@ class ClusterBackend:
     """The front end's view of the actor cluster (same calls as InlineBackend)."""
 
     mode = "cluster"
+    LOST = (
+        "the verifier actor died while serving this request; it is restarting, "
+        "retry the request shortly"
+    )
 
     def __init__(self, settings: ServeSettings, verifier, drafter, store):
         self.settings = settings
@@ -358,11 +362,6 @@ class ClusterBackend:
             self._verifier_lost()
             raise Unavailable(self.LOST) from None
         return self._chunks(events.events(req.request_id, q))
-
-    LOST = (
-        "the verifier actor died while serving this request; it is restarting, "
-        "retry the request shortly"
-    )
 
     @staticmethod
     def _ray_events(stream):
