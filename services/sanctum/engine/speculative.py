@@ -366,8 +366,7 @@ class Decoder:
         self._prefetch(seq, base + keep)  # the drafter starts on the next block meanwhile
         t_roll = time.perf_counter()
         stats.draft_s += t_roll - t3
-        self.target.rollback(seq.cache, tape, keep)
-        mx.eval([c.state for c in seq.cache if not c.empty()])
+        mx.eval(self.target.rollback(seq.cache, tape, keep))
         t4 = time.perf_counter()
         seq.cached_tokens.extend(block_ids[:keep])
         stats.rollback_s = t4 - t_roll

@@ -164,18 +164,20 @@ class Target:
         return logits, taps, VerifyTape(start, int(block.shape[0]), gdn_tape)
 
     @staticmethod
-    def rollback(cache: list, tape: VerifyTape, keep: int) -> None:
+    def rollback(cache: list, tape: VerifyTape, keep: int) -> list[mx.array]:
         """Keep only the first `keep` rows of the verified block in every layer's cache.
-        Positions are absolute, so rolling back again to a smaller `keep` is fine."""
+        Positions are absolute, so rolling back again to a smaller `keep` is fine. Returns the
+        new (lazy) recurrent states; attention KV is only trimmed, nothing to compute."""
         if not 0 <= keep <= tape.num_rows:
             raise ValueError(f"keep={keep} outside 0..{tape.num_rows}")
         if cache_offset(cache) == tape.start + keep:
-            return
+            return []
         for entry in tape.gdn:
             entry.rollback(keep)
         for c in cache:
             if not isinstance(c, ArraysCache):
                 c.trim(c.offset - (tape.start + keep))
+        return [a for entry in tape.gdn for a in entry.cache.state if a is not None]
 
     def prefill(
         self,
