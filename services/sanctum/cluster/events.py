@@ -28,18 +28,16 @@ import contextlib
 import logging
 import os
 import queue
-import secrets
 import socket
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Client
 
 from ..api.convert import chunk_to_proto
 from ..api.gen import roles_pb2 as roles
 from ..requests import InvalidRequest
 from .scheduler import End, InternalError, QueueFull, Unavailable
-from .transport import ChannelBroken
+from .transport import ChannelBroken, UnixListener
 
 log = logging.getLogger("sanctum.events")
 
@@ -109,32 +107,15 @@ class EventServer:
         self, submit: Callable[[roles.Submit, Sink], None], cancel: Callable[[str], object]
     ):
         self.submit, self.cancel = submit, cancel
-        self.authkey = secrets.token_bytes(32)
-        self._dir = tempfile.mkdtemp(prefix="snc-")  # short: macOS caps socket paths at ~104 B
-        self.address = os.path.join(self._dir, "v.sock")
-        self.listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
-        os.chmod(self.address, 0o600)
         self.connections: set[_FrontEnd] = set()
-        threading.Thread(target=self._accept_loop, name="snc-events", daemon=True).start()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn = self.listener.accept()
-            except OSError:
-                return  # listener closed
-            except Exception as exc:
-                log.warning("events: rejected a connection (%s)", exc.__class__.__name__)
-                continue
-            self.connections.add(_FrontEnd(conn, self))
+        self.listener = UnixListener(lambda conn: self.connections.add(_FrontEnd(conn, self)),
+                                     "events")  # fmt: skip
+        self.address, self.authkey = self.listener.address, self.listener.authkey
 
     def close(self) -> None:
         self.listener.close()
         for fe in list(self.connections):
             fe.gone()
-        with contextlib.suppress(OSError):
-            os.unlink(self.address)
-            os.rmdir(self._dir)
 
 
 class Sink:

@@ -141,6 +141,43 @@ class Slot:
             self.shm.close()
 
 
+# ---- a Unix-socket listener (the drafter's channel, the verifier's event socket) -------------
+
+
+class UnixListener:
+    """Accepts authenticated connections (HMAC `authkey`) on a fresh Unix socket in a private
+    temporary directory, and hands each to `on_connection(conn)` from its own thread."""
+
+    def __init__(self, on_connection, what: str):
+        import tempfile
+
+        self.on_connection, self.what = on_connection, what
+        self.authkey = secrets.token_bytes(32)
+        # short path: Unix socket paths are limited to ~104 bytes on macOS
+        self._dir = tempfile.mkdtemp(prefix="snc-")
+        self.address = os.path.join(self._dir, "s.sock")
+        self.listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
+        os.chmod(self.address, 0o600)
+        threading.Thread(target=self._accept_loop, name=f"snc-{what}", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()
+            except OSError:
+                return  # listener closed
+            except Exception as exc:
+                log.warning("%s: rejected a connection (%s)", self.what, exc.__class__.__name__)
+                continue
+            self.on_connection(conn)
+
+    def close(self) -> None:
+        self.listener.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.address)
+            os.rmdir(self._dir)
+
+
 # ---- drafter side: serving DraftRequests over Unix sockets ---------------------------------
 
 
@@ -152,24 +189,19 @@ class SocketServer:
     `submit` (the object-store path). Connections arrive on a Unix socket (HMAC authkey)."""
 
     def __init__(self, load, on_disconnect=None):
-        import tempfile
         from concurrent.futures import Future
 
         self._Future = Future
         self.on_disconnect = on_disconnect
-        self.authkey = secrets.token_bytes(32)
-        # short path: Unix socket paths are limited to ~104 bytes on macOS
-        self._dir = tempfile.mkdtemp(prefix="snc-")
-        self.address = os.path.join(self._dir, "d.sock")
-        self.listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
-        os.chmod(self.address, 0o600)
         self._wake_r, self._wake_w = os.pipe()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # new connections and jobs
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.handle = None
+        self._clients = 0
         threading.Thread(target=self._run, args=(load,), name="snc-mlx", daemon=True).start()
-        threading.Thread(target=self._accept_loop, name="snc-accept", daemon=True).start()
+        self.listener = UnixListener(self._accepted, "drafter channel")
+        self.address, self.authkey = self.listener.address, self.listener.authkey
 
     def wait_ready(self, timeout: float | None = None) -> None:
         if not self._ready.wait(timeout):
@@ -184,19 +216,10 @@ class SocketServer:
         os.write(self._wake_w, b"j")
         return fut
 
-    def _accept_loop(self) -> None:
-        n = 0
-        while True:
-            try:
-                conn = self.listener.accept()
-            except OSError:
-                return  # listener closed
-            except Exception as exc:
-                log.warning("drafter channel: rejected a connection (%s)", exc.__class__.__name__)
-                continue
-            n += 1
-            self._inbox.put(("conn", conn, f"c{n}"))
-            os.write(self._wake_w, b"c")
+    def _accepted(self, conn) -> None:
+        self._clients += 1
+        self._inbox.put(("conn", conn, f"c{self._clients}"))
+        os.write(self._wake_w, b"c")
 
     def _run(self, load) -> None:
         try:
@@ -260,11 +283,6 @@ class SocketServer:
 
     def close(self) -> None:
         self.listener.close()
-        try:
-            os.unlink(self.address)
-            os.rmdir(self._dir)
-        except OSError:
-            pass
 
 
 # ---- verifier side -----------------------------------------------------------------------
