@@ -14,9 +14,9 @@ hundred KB even at 248K vocabulary (logits would be L x 248K floats).
 (client, sequence). `RemoteDraftPeer` implements the engine's pipelined `DraftPeer` over a
 transport channel (shared memory on one host, the object store across hosts): `submit` sends a
 request and returns, `collect` waits for its reply, so the verifier asks for a sequence's next
-block before its rollback and its stream and finds the answer (mostly) ready. When the drafter dies it
-raises `DraftUnavailable` (the decoder then steps plainly), reconnects in the background once
-the actor has restarted, and replays each open sequence's context so speculation resumes.
+block before its rollback and its stream and finds the answer (mostly) ready. When the drafter
+dies it raises `DraftUnavailable` (the decoder then steps plainly), reconnects in the background
+once the actor has restarted, and replays each open sequence's context so speculation resumes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Interleaving requests on one verifier: one worker thread owns MLX and runs one round of each
 open request in turn, and one slice of each prompt still being prefilled (a long prompt pauses
 the other streams for a slice at a time, not for all of it); request handlers only enqueue and
-read their own ticket (as mlx-lm's server does). The same scheduler runs inline (in the serving process) and inside the verifier
-actor. Ray-free and gRPC-free.
+read their own ticket (as mlx-lm's server does). The same scheduler runs inline (in the serving
+process) and inside the verifier actor. Ray-free and gRPC-free.
 
 Contract: `submit` returns a `Ticket` at once (or raises `QueueFull` / `Unavailable`); the
 ticket yields the request's chunks in order (the first from prefill, then one per round) and
@@ -137,8 +137,8 @@ class Scheduler:
         sink=None,
     ) -> Ticket:
         """Queue `req`; its items go to the returned ticket's queue, or to `sink.put`."""
-        ticket = (
-            Ticket(req, mode, deadline) if sink is None else Ticket(req, mode, deadline, items=sink)
+        ticket = Ticket(
+            req, mode, deadline, items=sink if sink is not None else queue.SimpleQueue()
         )
         with self._cv:
             if not self._accepting:
