@@ -14,6 +14,7 @@ overlap; busy, because a sleep would let the cores go cold as a real forward doe
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 
@@ -66,6 +67,15 @@ def _cpu_seconds(pids: list[int]) -> float | None:
 
 def _per_token(seconds: float | None, tokens: int) -> float | None:
     return None if seconds is None else round(1000.0 * seconds / max(1, tokens), 3)
+
+
+def median_interval(xs: list[float], level: float = 0.9, draws: int = 2000) -> tuple[float, float]:
+    """A bootstrap interval for the median of `xs` (fixed seed: the same data, the same
+    interval). On a noisy machine it says whether a run can tell 4% from 6% at all."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(draws))
+    tail = int(draws * (1.0 - level) / 2.0)
+    return medians[tail], medians[draws - 1 - tail]
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float]:
@@ -218,6 +228,8 @@ def run(args) -> dict:
         # the same from back-to-back pairs (robust to a noisy machine): median and quartiles
         "paired_tax_pct_median": round(100.0 * (1.0 - statistics.median(ratios)), 2),
         "paired_tax_pct_q1_q3": [round(100.0 * (1.0 - q), 2) for q in _quartiles(ratios)[::-1]],
+        # where the median could lie given this run's spread (90%, bootstrap over the pairs)
+        "paired_tax_pct_ci90": [round(100.0 * (1.0 - q), 2) for q in median_interval(ratios)[::-1]],
         "inline_round_ms": round(1000.0 * totals["inline"][2] / max(1, totals["inline"][1]), 3),
         "cluster_round_ms": round(1000.0 * totals["cluster"][2] / max(1, totals["cluster"][1]), 3),
         # the same, timed inside the verifier: the difference is the stream back to the caller
