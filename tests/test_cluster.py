@@ -1,5 +1,6 @@
 """The cluster's parts: wire formats, the shared-memory drafter channel, the store's layout,
-the scheduler (Ray-free, fast), then with a real local Ray cluster behind a real gRPC server:
+the scheduler (Ray-free, fast), the isolation bench (in its own process and Ray cluster), then
+with a real local Ray cluster behind a real gRPC server:
 both drafter transports give the engine's greedy output, and each role's death has the stated
 outcome (drafter: plain decoding, same output, speculation resumes; store: uncached, then
 reloaded from disk; verifier: UNAVAILABLE in flight, then new requests succeed).

@@ -2,13 +2,14 @@
 
 The same greedy requests run on the inline backend (roles as objects in this process) and on
 the actor cluster, alternating, in one run; both without the prompt cache so they do the same
-work. Reports tok/s of each, the tax (1 - cluster/inline), and the drafter channel's cost per
-round (latency, what the verifier still waits with drafts asked a round ahead, bytes moved both
-ways) from the verifier's
-counters, and where each mode's round time goes. `--round-delay-ms` adds a busy wait to
-every target forward in BOTH modes to emulate a slower target: the split's cost stays, the round
-grows (the wait sits in the forward, where a real target spends its time, not where drafts
-overlap; busy, because a sleep would let the cores go cold as a real forward does not).
+work. Reports tok/s of each, the tax (1 - cluster/inline; also the median over back-to-back
+pairs, with a bootstrap interval that says how far one run on a noisy machine can be trusted),
+the drafter channel's cost per round (latency, what the verifier still waits with drafts asked
+a round ahead, bytes moved both ways) from the verifier's counters, and where each mode's round
+time goes. `--round-delay-ms` adds a busy wait to every target forward in BOTH modes to emulate
+a slower target: the split's cost stays, the round grows (the wait sits in the forward, where
+a real target spends its time, not where drafts overlap; busy, because a sleep would let the
+cores go cold as a real forward does not).
 """
 
 from __future__ import annotations
