@@ -96,6 +96,18 @@ def hang_up(conn) -> None:
         conn.close()
 
 
+def read_messages(conn, parse: Callable, handle: Callable, what: str) -> None:
+    """Hand each message on `conn` (parsed by `parse`) to `handle` until the peer hangs up, or
+    until one cannot be read or handled (logged: `what`); the caller then cleans up."""
+    try:
+        while True:
+            handle(parse(conn.recv_bytes()))
+    except (EOFError, OSError):
+        pass
+    except Exception:
+        log.exception("events: %s; dropping the connection", what)
+
+
 # ---- verifier side ----------------------------------------------------------------------------
 
 
@@ -145,25 +157,22 @@ class _FrontEnd:
         threading.Thread(target=self._send_loop, name="snc-events-out", daemon=True).start()
 
     def _read_loop(self) -> None:
-        try:
-            while True:
-                msg = roles.FrontEndMessage.FromString(self.conn.recv_bytes())
-                op = msg.WhichOneof("op")
-                if op == "submit":
-                    sink = Sink(self, msg.submit.request_id)
-                    with self.lock:
-                        self.open.add(sink.request_id)
-                    try:
-                        self.server.submit(msg.submit, sink)
-                    except Exception as exc:  # a bad request, a full queue, draining
-                        sink.put(exc)
-                elif op == "cancel":
-                    self.server.cancel(msg.cancel)
-        except (EOFError, OSError):
-            pass
-        except Exception:
-            log.exception("events: a front end's message failed; dropping its connection")
+        read_messages(self.conn, roles.FrontEndMessage.FromString, self._on_message,
+                      "a front end's message failed")  # fmt: skip
         self.gone()
+
+    def _on_message(self, msg: roles.FrontEndMessage) -> None:
+        op = msg.WhichOneof("op")
+        if op == "submit":
+            sink = Sink(self, msg.submit.request_id)
+            with self.lock:
+                self.open.add(sink.request_id)
+            try:
+                self.server.submit(msg.submit, sink)
+            except Exception as exc:  # a bad request, a full queue, draining
+                sink.put(exc)
+        elif op == "cancel":
+            self.server.cancel(msg.cancel)
 
     def _send_loop(self) -> None:
         while True:
@@ -263,22 +272,19 @@ class EventClient:
                 self.conn.send_bytes(data)
 
     def _read_loop(self) -> None:
-        try:
-            while True:
-                msg = roles.VerifierEvents.FromString(self.conn.recv_bytes())
-                with self._lock:
-                    for event in msg.events:
-                        q = self._queues.get(event.request_id)
-                        if q is None:
-                            continue  # its caller stopped reading (cancelled)
-                        q.put(event)
-                        if event.WhichOneof("kind") != "chunk":
-                            del self._queues[event.request_id]
-        except (EOFError, OSError):
-            pass
-        except Exception:
-            log.exception("events: unreadable message from the verifier; dropping the connection")
+        read_messages(self.conn, roles.VerifierEvents.FromString, self._route,
+                      "unreadable message from the verifier")  # fmt: skip
         self.close()
+
+    def _route(self, msg: roles.VerifierEvents) -> None:
+        with self._lock:
+            for event in msg.events:
+                q = self._queues.get(event.request_id)
+                if q is None:
+                    continue  # its caller stopped reading (cancelled)
+                q.put(event)
+                if event.WhichOneof("kind") != "chunk":
+                    del self._queues[event.request_id]
 
     def close(self) -> None:
         with self._lock:
