@@ -482,6 +482,18 @@ def test_drafter_transports_give_the_engine_output(cluster, engine, pair, transp
     )
     # the role processes run at normal priority (Ray's default would be niceness 15)
     assert all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid in backend.pids().values())
+    # the verifier and the drafter take turns, so each gets inline mode's BLAS threads: one per
+    # CPU this process may use (a one-thread drafter cost the default pair 3 ms a round)
+    cpus = str(len(os.sched_getaffinity(0)))
+    want = {
+        "verifier": os.environ.get("OMP_NUM_THREADS") or cpus,
+        "drafter": os.environ.get("SANCTUM_DRAFTER_THREADS") or cpus,
+        "store": "1",
+    }
+    for role, pid in backend.pids().items():
+        with open(f"/proc/{pid}/environ") as f:
+            env = dict(kv.split("=", 1) for kv in f.read().split("\0") if "=" in kv)
+        assert env["OMP_NUM_THREADS"] == want[role], role
 
 
 @pytest.mark.slow

@@ -261,19 +261,21 @@ def start_cluster(settings: ServeSettings) -> ClusterBackend:
         raise RuntimeError("ray.init() first (a local cluster, or RAY_ADDRESS)")
 
     # BLAS threads (the CPU backend): Ray pins OMP_NUM_THREADS to an actor's CPU count (1 for
-    # num_cpus=0). The verifier gets what the serving process would use, like inline mode: the
-    # CPUs it may run on, as OpenBLAS counts them. The drafter stays at 1: on this project's
-    # 2-vCPU VM two threads made it slower (default pair: 9.1-9.4 vs 7.6-8.2 ms a draft).
+    # num_cpus=0). Verifier and drafter take turns (the verifier waits on each draft), so each
+    # gets what inline mode's one process uses: the CPUs it may run on, as OpenBLAS counts them.
+    # A one-thread drafter cost the default pair 3 ms a round on 4 cores of a 16-core host
+    # (isolation tax 6.6-9.5% against 1.8% with 4 threads; deploy/README).
+    usable = str(_usable_cpus())
     threads = {
-        "verifier": os.environ.get("OMP_NUM_THREADS") or str(_usable_cpus()),
-        "drafter": os.environ.get("SANCTUM_DRAFTER_THREADS", "1"),
+        "verifier": os.environ.get("OMP_NUM_THREADS") or usable,
+        "drafter": os.environ.get("SANCTUM_DRAFTER_THREADS") or usable,
         "store": "1",
     }
 
     def opts(role: str, **kw) -> dict:
         res = settings.resources.get(role)
         env = {"env_vars": {"OMP_NUM_THREADS": threads[role]}}
-        if role == "verifier":  # its idle BLAS workers would hold a core through each draft wait
+        if role != "store":  # idle BLAS workers would hold a core through the other one's turn
             env["env_vars"]["OPENBLAS_THREAD_TIMEOUT"] = os.environ.get(
                 "OPENBLAS_THREAD_TIMEOUT", OPENBLAS_IDLE_SPIN
             )
