@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from mlx_lm.utils import load_tokenizer
+from sanctum.config import default_pair
 from sanctum.engine.target import load_target
-from sanctum.tokenizer import TextStream, message_starts, render_chat
+from sanctum.tokenizer import Reencoder, TextStream, message_starts, render_chat
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +57,62 @@ def test_chat_template_drops_earlier_think_and_marks_message_starts(tokenizer):
     assert starts[-1] == len(ids) and starts == sorted(starts)
     first_turn = tokenizer.encode(render_chat(tokenizer, msgs[:1]), add_special_tokens=False)
     assert ids[: len(first_turn)] == first_turn  # turn 2 shares turn 1's prompt exactly
+
+
+REENCODE_TEXT = (
+    'def mean(xs):\n    """Average; ünïcode ✓ 漢字 🙂."""\n\n\n    return sum(xs)  /  len(xs)\n'
+    "It's    spaced\t\ttabs, 'quotes', 1234567 and    \n\n  trailing   \n"
+)
+
+
+def _first_difference_by_full_reencoding(tok, ids, final):
+    while not final and tok.decode(ids).endswith("\ufffd"):
+        ids = ids[:-1]  # a character's first bytes: wait for the rest
+    canonical = tok.encode(tok.decode(ids), add_special_tokens=False)
+    stable = min(len(ids), len(canonical)) - (0 if final else 2)
+    return next((j for j in range(stable) if ids[j] != canonical[j]), None)
+
+
+def _split_some_tokens(tok, ids, rng, count):
+    """The same text in tokens the encoder would not choose: some tokens replaced by the
+    encodings of two halves of their text (as a model may emit "\n   " as "\n" + "   ")."""
+    ids = list(ids)
+    for j in rng.sample(range(len(ids)), len(ids)):
+        piece = tok.decode([ids[j]])
+        if count == 0:
+            break
+        if len(piece) < 2 or "\ufffd" in piece:
+            continue
+        cut = rng.randrange(1, len(piece))
+        parts = [tok.encode(x, add_special_tokens=False) for x in (piece[:cut], piece[cut:])]
+        ids[j : j + 1] = parts[0] + parts[1]
+        count -= 1
+    return ids
+
+
+@pytest.fixture(scope="module", params=["tiny", "default"])
+def any_tokenizer(request, tokenizer):
+    """The project's tiny byte-level BPE, and the default model's Qwen3.5 tokenizer (regex split,
+    NFC), both through mlx-lm's loader."""
+    return tokenizer if request.param == "tiny" else load_tokenizer(default_pair()[0])
+
+
+@pytest.mark.parametrize("splits", [0, 1, 3])
+def test_windowed_reencoding_finds_what_full_reencoding_finds(any_tokenizer, splits):
+    """Round by round (1 to 9 tokens, as speculative rounds commit), the windowed re-encoder
+    reports the same first difference as re-encoding the whole sequence, at every round, and it
+    keeps its window short: the text before the last settled boundary is never encoded again."""
+    tok = any_tokenizer
+    rng = random.Random(splits)
+    for trial in range(6):
+        text = REENCODE_TEXT * 12 + "<|im_end|>" * (trial % 2)
+        ids = _split_some_tokens(tok, tok.encode(text, add_special_tokens=False), rng, splits)
+        reencoder, end, found = Reencoder(tok), 0, None
+        while end < len(ids) and found is None:
+            end = min(len(ids), end + rng.randint(1, 9))
+            final = end == len(ids)
+            found = reencoder.first_difference(ids[:end], final)
+            assert found == _first_difference_by_full_reencoding(tok, ids[:end], final), end
+            if found is None:
+                assert end - reencoder.settled < 64, (end, reencoder.settled)
+        assert (found is None) == (splits == 0)

@@ -128,6 +128,61 @@ def message_starts(
     return starts
 
 
+class Reencoder:
+    """Where a growing token sequence first stops being the tokenizer's own encoding of its text,
+    re-encoding each call only the text after the last settled boundary: O(new text) a round
+    instead of O(sequence) (Qwen3.5's tokenizer re-encodes 1024 tokens in 2.8 ms, 4096 in 6.7).
+
+    A fast tokenizer splits text into pieces (a regex) and encodes each piece on its own, so a
+    piece boundary that enough text follows no longer moves, and the text before it need not be
+    encoded again. A tokenizer without a fast backend re-encodes everything each call."""
+
+    SETTLE_TOKENS = 8  # a piece boundary this many matching tokens before the end stays put
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend if getattr(backend, "pre_tokenizer", None) else None
+        self.settled = 0  # ids[:settled] are the encoder's own tokens for their text, for good
+
+    def first_difference(self, ids: list[int], final: bool) -> int | None:
+        """The index of the first token in `ids` that the encoder would not produce, among those
+        that later tokens can no longer change (all of them once `final`), or None."""
+        tail = ids[self.settled :]
+        text = self.tokenizer.decode(tail)
+        for _ in range(0 if final else 3):  # a character's first bytes decode as U+FFFD,
+            if not (tail and text.endswith("\ufffd")):  # which re-encodes differently: wait
+                break
+            tail = tail[:-1]
+            text = self.tokenizer.decode(tail)
+        if self._backend is None:
+            canonical, offsets = self.tokenizer.encode(text, add_special_tokens=False), None
+        else:
+            enc = self._backend.encode(text, add_special_tokens=False)
+            canonical, offsets = enc.ids, enc.offsets
+        # the last tokens may still merge differently as text follows, unless nothing will
+        stable = min(len(tail), len(canonical)) - (0 if final else 2)
+        first = next((j for j in range(stable) if tail[j] != canonical[j]), None)
+        if first is not None:
+            return self.settled + first
+        if offsets is not None:
+            self._settle(text, canonical, offsets, stable - self.SETTLE_TOKENS)
+        return None
+
+    def _settle(self, text: str, canonical: list[int], offsets: list, limit: int) -> None:
+        """Move `settled` to the last piece boundary before token `limit` of the window where
+        encoding the rest alone gives the same tokens (special tokens and normalizers split text
+        their own way: the check keeps them honest)."""
+        starts = {a for _, (a, _) in self._backend.pre_tokenizer.pre_tokenize_str(text)}
+        for k in range(limit, 0, -1):
+            at = offsets[k][0]
+            if at in starts and offsets[k - 1][1] <= at:
+                rest = self._backend.encode(text[at:], add_special_tokens=False).ids
+                if rest == canonical[k:]:
+                    self.settled += k
+                return
+
+
 class TextStream:
     """Incremental detokenization with stop sequences, for one completion.
 

@@ -21,7 +21,7 @@ from ..engine.drafter import Drafter
 from ..engine.speculative import Decoder, DraftPeer, Sequence, make_key
 from ..engine.target import Target, VerifyTape, cache_offset
 from ..requests import Chunk, GenerateRequest, Limits, Usage, check_prompt_length, validate
-from ..tokenizer import TextStream, message_starts, render_chat
+from ..tokenizer import Reencoder, TextStream, message_starts, render_chat
 
 log = logging.getLogger("sanctum.verifier")
 
@@ -37,11 +37,11 @@ class ReencodingWatch:
     at the first such place, inside the completion, where no rung sits: the resume would fall
     back to the prompt boundary. After each round the completion is re-encoded; at the first
     difference that later text can no longer change, the state comes from one of the last two
-    rounds (any row of a verify tape, or a plain step's end)."""
-
-    MAX_TOKENS = 256  # re-encoding the completion each round: ~0.4 ms at 256 tokens
+    rounds (any row of a verify tape, or a plain step's end). The re-encoding covers only the
+    text since the last settled piece boundary (Reencoder), so the watch runs to the end."""
 
     prompt_len: int
+    reencoder: Reencoder | None = None
     recent: list = field(default_factory=list)  # the last rounds' (start, end, tape | state)
     done: bool = False
     position: int | None = None  # cached tokens of the next turn's common prefix
@@ -54,16 +54,9 @@ class ReencodingWatch:
         else:
             self.recent.append((after, after, target.recurrent_state(seq.cache)))
         del self.recent[:-2]  # the state of rows committed before these rounds is gone
-        ids = seq.completion
-        if len(ids) > self.MAX_TOKENS:
-            self.done = True
-            return
-        tok = target.tokenizer
-        canonical = tok.encode(tok.decode(ids), add_special_tokens=False)
-        # the last tokens may still merge differently as text follows, unless nothing will
-        margin = 2 if seq.finished is None else 0
-        stable = min(len(ids), len(canonical)) - margin
-        first = next((j for j in range(stable) if ids[j] != canonical[j]), None)
+        if self.reencoder is None:
+            self.reencoder = Reencoder(target.tokenizer)
+        first = self.reencoder.first_difference(seq.completion, final=seq.finished is not None)
         self.done = first is not None or seq.finished is not None
         if first is None:
             return
