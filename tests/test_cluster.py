@@ -421,6 +421,11 @@ def test_isolation_bench_runs_both_modes_and_they_agree(pair):
     lo, hi = figures["paired_tax_pct_ci90"]
     assert lo <= figures["paired_tax_pct_median"] <= hi
     assert set(figures["cluster_round_phases_ms"]) == {"draft", "verify", "rollback", "other"}
+    cpus = len(os.sched_getaffinity(0))  # the figures say what the split ran on
+    assert figures["usable_cpus"] == cpus
+    assert figures["cluster_blas_threads"]["drafter"] == (
+        os.environ.get("SANCTUM_DRAFTER_THREADS") or str(cpus)
+    )
 
 
 # ---- a real Ray cluster behind gRPC: transports and faults -----------------------------------------

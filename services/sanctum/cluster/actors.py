@@ -247,7 +247,7 @@ class VerifierActor:
 # ---- the front end's side ------------------------------------------------------------------
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity where the OS has one, as OpenBLAS counts
     them): under `taskset -c 0-1` on a 16-core host, 2, not 16."""
     if hasattr(os, "sched_getaffinity"):
@@ -255,22 +255,25 @@ def _usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def start_cluster(settings: ServeSettings) -> ClusterBackend:
-    """Create the three actors on the connected Ray cluster (ray.init first)."""
-    if not ray.is_initialized():
-        raise RuntimeError("ray.init() first (a local cluster, or RAY_ADDRESS)")
-
-    # BLAS threads (the CPU backend): Ray pins OMP_NUM_THREADS to an actor's CPU count (1 for
-    # num_cpus=0). Verifier and drafter take turns (the verifier waits on each draft), so each
-    # gets what inline mode's one process uses: the CPUs it may run on, as OpenBLAS counts them.
-    # A one-thread drafter cost the default pair 3 ms a round on 4 cores of a 16-core host
-    # (isolation tax 6.6-9.5% against 1.8% with 4 threads; deploy/README).
-    usable = str(_usable_cpus())
-    threads = {
+def role_blas_threads() -> dict[str, str]:
+    """BLAS threads per role (the CPU backend). Ray pins OMP_NUM_THREADS to an actor's CPU count
+    (1 for num_cpus=0), so it is set here. Verifier and drafter take turns (the verifier waits on
+    each draft), so each gets what inline mode's one process uses: the CPUs it may run on, as
+    OpenBLAS counts them. A one-thread drafter cost the default pair 3 ms a round on 4 cores of a
+    16-core host (isolation tax 6.6-9.5% against 1.8% with 4 threads; deploy/README)."""
+    usable = str(usable_cpus())
+    return {
         "verifier": os.environ.get("OMP_NUM_THREADS") or usable,
         "drafter": os.environ.get("SANCTUM_DRAFTER_THREADS") or usable,
         "store": "1",
     }
+
+
+def start_cluster(settings: ServeSettings) -> ClusterBackend:
+    """Create the three actors on the connected Ray cluster (ray.init first)."""
+    if not ray.is_initialized():
+        raise RuntimeError("ray.init() first (a local cluster, or RAY_ADDRESS)")
+    threads = role_blas_threads()
 
     def opts(role: str, **kw) -> dict:
         res = settings.resources.get(role)

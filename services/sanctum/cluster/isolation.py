@@ -153,7 +153,7 @@ def _concurrent(backends: dict, prompts: list[str], clients: int, max_tokens: in
 def run(args) -> dict:
     import ray
 
-    from .actors import LOCAL_RAY_SYSTEM_CONFIG, start_cluster
+    from .actors import LOCAL_RAY_SYSTEM_CONFIG, role_blas_threads, start_cluster, usable_cpus
     from .backend import InlineBackend, serve_settings
 
     settings = serve_settings(args.model, args.drafter, args.block_size, args.bits, args.kv,
@@ -223,6 +223,8 @@ def run(args) -> dict:
         "repeats": args.repeats,
         "max_tokens": args.max_tokens,
         "round_delay_ms": args.round_delay_ms,
+        "usable_cpus": usable_cpus(),  # the split needs cores: see deploy/README
+        "cluster_blas_threads": role_blas_threads(),
         "inline_tok_s": round(tok_s["inline"], 2),
         "cluster_tok_s": round(tok_s["cluster"], 2),
         "isolation_tax_pct": round(100.0 * (1.0 - tok_s["cluster"] / tok_s["inline"]), 2),
