@@ -116,3 +116,31 @@ def test_windowed_reencoding_finds_what_full_reencoding_finds(any_tokenizer, spl
             if found is None:
                 assert end - reencoder.settled < 64, (end, reencoder.settled)
         assert (found is None) == (splits == 0)
+
+
+def test_reencoding_without_a_fast_backend_reencodes_everything_then_gives_up(tokenizer):
+    """A tokenizer with only encode and decode: the whole sequence each call, same answers; and
+    past MAX_WINDOW tokens the re-encoder gives up instead of slowing every round."""
+
+    class Plain:
+        def encode(self, text, add_special_tokens=False):
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        def decode(self, ids):
+            return tokenizer.decode(ids)
+
+    canonical = tokenizer.encode(REENCODE_TEXT * 4, add_special_tokens=False)
+    ids = _split_some_tokens(tokenizer, canonical, random.Random(7), 1)
+    reencoder, found = Reencoder(Plain()), None
+    reencoder.MAX_WINDOW = len(ids)
+    for end in range(5, len(ids) + 5, 5):
+        found = reencoder.first_difference(ids[:end], final=end >= len(ids))
+        assert found == _first_difference_by_full_reencoding(tokenizer, ids[:end], end >= len(ids))
+        assert reencoder.settled == 0 and not reencoder.exhausted
+        if found is not None:
+            break
+    assert found is not None
+    short = Reencoder(Plain())
+    short.MAX_WINDOW = 20
+    assert short.first_difference(canonical[:20], final=False) is None and not short.exhausted
+    assert short.first_difference(canonical[:21], final=False) is None and short.exhausted

@@ -135,20 +135,26 @@ class Reencoder:
 
     A fast tokenizer splits text into pieces (a regex) and encodes each piece on its own, so a
     piece boundary that enough text follows no longer moves, and the text before it need not be
-    encoded again. A tokenizer without a fast backend re-encodes everything each call."""
+    encoded again. A tokenizer without a fast backend re-encodes everything each call. Past
+    MAX_WINDOW unsettled tokens it gives up (`exhausted`) rather than slow every round."""
 
     SETTLE_TOKENS = 8  # a piece boundary this many matching tokens before the end stays put
+    MAX_WINDOW = 512  # ~1 ms to re-encode; Qwen3.5's tokenizer keeps the window under 64
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = backend if getattr(backend, "pre_tokenizer", None) else None
         self.settled = 0  # ids[:settled] are the encoder's own tokens for their text, for good
+        self.exhausted = False
 
     def first_difference(self, ids: list[int], final: bool) -> int | None:
         """The index of the first token in `ids` that the encoder would not produce, among those
         that later tokens can no longer change (all of them once `final`), or None."""
         tail = ids[self.settled :]
+        if self.exhausted or len(tail) > self.MAX_WINDOW:
+            self.exhausted = True
+            return None
         text = self.tokenizer.decode(tail)
         for _ in range(0 if final else 3):  # a character's first bytes decode as U+FFFD,
             if not (tail and text.endswith("\ufffd")):  # which re-encodes differently: wait
@@ -178,7 +184,8 @@ class Reencoder:
             at = offsets[k][0]
             if at in starts and offsets[k - 1][1] <= at:
                 rest = self._backend.encode(text[at:], add_special_tokens=False).ids
-                if rest == canonical[k:]:
+                # and the tokens from k decode to that text alone (a decoder may drop a space)
+                if rest == canonical[k:] and self.tokenizer.decode(canonical[k:]) == text[at:]:
                     self.settled += k
                 return
 

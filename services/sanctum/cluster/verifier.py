@@ -57,7 +57,7 @@ class ReencodingWatch:
         if self.reencoder is None:
             self.reencoder = Reencoder(target.tokenizer)
         first = self.reencoder.first_difference(seq.completion, final=seq.finished is not None)
-        self.done = first is not None or seq.finished is not None
+        self.done = first is not None or seq.finished is not None or self.reencoder.exhausted
         if first is None:
             return
         position = self.prompt_len + first
