@@ -171,7 +171,7 @@ class Reencoder:
         first = next((j for j in range(stable) if tail[j] != canonical[j]), None)
         if first is not None:
             return self.settled + first
-        if offsets is not None:
+        if offsets is not None and stable > self.SETTLE_TOKENS:
             self._settle(text, canonical, offsets, stable - self.SETTLE_TOKENS)
         return None
 

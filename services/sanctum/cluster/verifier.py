@@ -41,7 +41,7 @@ class ReencodingWatch:
     text since the last settled piece boundary (Reencoder), so the watch runs to the end."""
 
     prompt_len: int
-    reencoder: Reencoder | None = None
+    reencoder: Reencoder
     recent: list = field(default_factory=list)  # the last rounds' (start, end, tape | state)
     done: bool = False
     position: int | None = None  # cached tokens of the next turn's common prefix
@@ -54,8 +54,6 @@ class ReencodingWatch:
         else:
             self.recent.append((after, after, target.recurrent_state(seq.cache)))
         del self.recent[:-2]  # the state of rows committed before these rounds is gone
-        if self.reencoder is None:
-            self.reencoder = Reencoder(target.tokenizer)
         first = self.reencoder.first_difference(seq.completion, final=seq.finished is not None)
         self.done = first is not None or seq.finished is not None or self.reencoder.exhausted
         if first is None:
@@ -193,7 +191,7 @@ class Verifier:
         if self.store is not None:
             act.stops = prefill_stops(self.ladder_depth, len(prompt_ids), plan.resumed_at, starts)
         if self.store is not None and req.use_cache and req.messages is not None:
-            act.watch = ReencodingWatch(len(prompt_ids))
+            act.watch = ReencodingWatch(len(prompt_ids), Reencoder(self.target.tokenizer))
         log.info(
             "ladder resume: kv=%s mode=%s prompt_tokens=%d requested_lcp=%d resumed_at=%d "
             "recovered=%d prefix_cached=%d cache_hit_ratio=%.4f",
