@@ -144,3 +144,17 @@ def test_reencoding_without_a_fast_backend_reencodes_everything_then_gives_up(to
     short.MAX_WINDOW = 20
     assert short.first_difference(canonical[:20], final=False) is None and not short.exhausted
     assert short.first_difference(canonical[:21], final=False) is None and short.exhausted
+
+
+def test_reencode_bench_prints_its_figures(make_pair):
+    """`sanctum bench reencode` runs (on the tiny tokenizer) and reports what the note quotes."""
+    from argparse import Namespace
+
+    from sanctum.bench import reencode
+
+    figures = reencode(Namespace(model=str(make_pair("hybrid", "dflash")[0]), round_tokens=6,
+                                 lengths="64,256"))  # fmt: skip
+    assert figures["gave_up"] is False and 0 < figures["widest_window_tokens"] < 64
+    assert {"windowed_ms_at_64", "whole_ms_at_64", "windowed_ms_at_256", "whole_ms_at_256"} <= set(
+        figures
+    )

@@ -166,6 +166,43 @@ def tau(args) -> dict:
     return result
 
 
+def reencode(args) -> dict:
+    """The re-encoding watch's cost a round (tokenizer.Reencoder, only the unsettled text) against
+    re-encoding the whole completion, on held-out stdlib code, `--round-tokens` at a time."""
+    from mlx_lm.utils import load_tokenizer
+
+    from .config import engine_settings
+    from .tokenizer import Reencoder
+    from .train.data import corpus_files, is_holdout
+
+    settings = engine_settings(args.model, "none", None, None, None)
+    tok = load_tokenizer(settings.model)
+    held_out = sorted(p for name, p in corpus_files(None) if is_holdout(name) and p.suffix == ".py")
+    text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in held_out[:8])
+    lengths = [int(n) for n in args.lengths.split(",")]
+    ids = tok.encode(text, add_special_tokens=False)[: max(lengths)]
+    if len(ids) < max(lengths):
+        raise ValueError(f"the held-out text has only {len(ids)} tokens")
+    reencoder, widest, windowed = Reencoder(tok), 0, {}
+    for end in range(args.round_tokens, len(ids) + 1, args.round_tokens):
+        t0 = time.perf_counter()
+        reencoder.first_difference(ids[:end], final=False)
+        windowed[end] = time.perf_counter() - t0
+        widest = max(widest, end - reencoder.settled)
+    result = {"model": settings.model, "round_tokens": args.round_tokens,
+              "widest_window_tokens": widest, "gave_up": reencoder.exhausted}  # fmt: skip
+    for n in lengths:
+        near = [windowed[e] for e in windowed if n - 64 < e <= n]  # the rounds just before n
+        whole = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            tok.encode(tok.decode(ids[:n]), add_special_tokens=False)
+            whole.append(time.perf_counter() - t0)
+        result[f"windowed_ms_at_{n}"] = round(1000.0 * statistics.median(near), 3)
+        result[f"whole_ms_at_{n}"] = round(1000.0 * statistics.median(whole), 3)
+    return result
+
+
 def register(sub) -> None:
     """`sanctum bench ...` subcommands."""
     from .cli import _add_model_flags
@@ -193,6 +230,11 @@ def register(sub) -> None:
     t.add_argument("--num-prompts", type=int, default=16)
     t.add_argument("--max-tokens", type=int, default=96)
     t.add_argument("--json", action="store_true")
+    r = bsub.add_parser("reencode", help="the re-encoding watch's cost a round vs whole")
+    r.add_argument("--model", help="checkpoint whose tokenizer to use (default: the embedded)")
+    r.add_argument("--round-tokens", type=int, default=6)
+    r.add_argument("--lengths", default="256,1024,4096")
+    r.add_argument("--json", action="store_true")
     b.set_defaults(func=main)
 
 
@@ -203,7 +245,8 @@ def isolation(args) -> dict:
     return run(args)
 
 
-BENCHES = {"speculative": speculative, "multiturn": multiturn, "isolation": isolation, "tau": tau}
+BENCHES = {"speculative": speculative, "multiturn": multiturn, "isolation": isolation, "tau": tau,
+           "reencode": reencode}  # fmt: skip
 
 
 def main(args) -> int:

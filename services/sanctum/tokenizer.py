@@ -131,7 +131,8 @@ def message_starts(
 class Reencoder:
     """Where a growing token sequence first stops being the tokenizer's own encoding of its text,
     re-encoding each call only the text after the last settled boundary: O(new text) a round
-    instead of O(sequence) (Qwen3.5's tokenizer takes 2.2-2.8 ms for 1024 tokens, 7 for 4096).
+    instead of O(sequence): ~0.1 ms against 1.6 ms at 1024 tokens and 6 ms at 4096 for Qwen3.5's
+    tokenizer (`sanctum bench reencode`).
 
     A fast tokenizer splits text into pieces (a regex) and encodes each piece on its own, so a
     piece boundary that enough text follows no longer moves, and the text before it need not be
