@@ -18,6 +18,8 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[cpu,dev]'
+	# the DFlash authors' reference drafter, a test oracle only; its pinned extras are not needed
+	$(PY) -m pip install -q --no-deps dflash==0.1.0
 	touch $@
 
 run: setup

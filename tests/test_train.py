@@ -11,7 +11,12 @@ import pytest
 from sanctum.cli import main
 from sanctum.engine.drafter import load_drafter
 from sanctum.engine.target import load_target
-from sanctum.engine.tiny import TINY_TOKENIZER
+from sanctum.engine.tiny import (
+    DRAFTER_LAYOUTS,
+    TINY_TOKENIZER,
+    drafter_config,
+    write_random_drafter,
+)
 from sanctum.train.data import Corpus, build_corpus, function_pairs, is_holdout, stdlib_root
 from sanctum.train.drafter import block_forward, target_pass
 from sanctum.train.gdn import chunked_gdn
@@ -99,38 +104,40 @@ def test_fast_gdn_matches_mlx_lm(tiny_pair):
     assert mx.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4).item()
 
 
-@pytest.mark.parametrize("kind", ["dflash"])
-def test_training_forward_equals_inference(tiny_pair, kind):
-    """One block through the batched, masked training forward == DraftBody's cached inference
-    forward; a second block in the same batch must not change it (blocks never see each other).
-    The tiny drafter has a sliding, causal layer, so the window and causal masks are covered."""
+@pytest.mark.parametrize("layout", ["tiny", *sorted(DRAFTER_LAYOUTS)])
+def test_training_forward_equals_inference(tiny_pair, tmp_path, layout):
+    """Blocks through the batched, masked training forward == DraftBody's cached inference forward
+    (which the reference-parity tests pin to the DFlash authors' code), for each published layout
+    (sliding windows per row, is_causal, DFlash 2's convolutions); blocks in one batch never see
+    each other. Anchors before and well past the sliding window."""
     target_dir, drafter_dir = tiny_pair
+    if layout != "tiny":
+        raw = DRAFTER_LAYOUTS[layout](drafter_config("dflash", target_dir))
+        drafter_dir = write_random_drafter(tmp_path / layout, raw, seed=5)
     target = load_target(target_dir)
     drafter = load_drafter(drafter_dir, target)
     body, head, cfg = drafter.body, drafter.head, drafter.cfg
-    S, L, p = 40, cfg.block_size, 27  # p past the sliding window, so the window matters
+    L = cfg.block_size
+    S = 3 * (cfg.sliding_window or 16) + L
+    anchors = [5, S // 2, S - L]  # the last two past the window
     tokens = mx.array(np.random.default_rng(1).integers(10, target.vocab_size, S).astype(np.int32))
     _, taps = target.forward(tokens, target.make_cache(), cfg.target_layer_ids)  # [S, W]
     batched_taps, _ = target_pass(target, tokens[None], cfg.target_layer_ids)
     assert mx.allclose(batched_taps[0], taps, atol=1e-4).item()
 
     mask_embed = target.embed_tokens(mx.array([cfg.mask_token_id]))
-    block = mx.concatenate(
-        [target.embed_tokens(tokens[p : p + 1]), mx.repeat(mask_embed, L - 1, 0)]
-    )
-    ref = body(block[None], p, taps[None, :p], body.make_cache())  # [1, L, H]
-    ref_logits = head.logits(ref[0, 1:])
-
-    other = 9
-    block_other = mx.concatenate(
-        [target.embed_tokens(tokens[other : other + 1]), mx.repeat(mask_embed, L - 1, 0)]
-    )
-    embeds = mx.stack([block_other, block])[None]  # [1, 2, L, H]
-    hidden = block_forward(body, taps[None], embeds, mx.array([[other, p]]))
-    logits = head.logits(hidden[0, 1, 1:])
-    assert mx.allclose(hidden[0, 1], ref[0], atol=1e-4, rtol=1e-4).item()
-    assert mx.allclose(logits, ref_logits, atol=1e-3, rtol=1e-3).item()
-    assert (mx.argmax(logits, -1) == mx.argmax(ref_logits, -1)).all().item()
+    blocks = [
+        mx.concatenate([target.embed_tokens(tokens[p : p + 1]), mx.repeat(mask_embed, L - 1, 0)])
+        for p in anchors
+    ]
+    hidden = block_forward(body, taps[None], mx.stack(blocks)[None], mx.array([anchors]))
+    for n, (p, block) in enumerate(zip(anchors, blocks)):
+        ref = body(block[None], p, taps[None, :p], body.make_cache())  # [1, L, H]
+        ref_logits = head.logits(ref[0, 1:])
+        logits = head.logits(hidden[0, n, 1:])
+        assert mx.allclose(hidden[0, n], ref[0], atol=1e-4, rtol=1e-4).item(), (layout, p)
+        assert mx.allclose(logits, ref_logits, atol=1e-3, rtol=1e-3).item()
+        assert (mx.argmax(logits, -1) == mx.argmax(ref_logits, -1)).all().item()
 
 
 def test_corpus_roundtrip(tmp_path):

@@ -17,7 +17,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.utils import dequantize_model
 
@@ -56,7 +55,8 @@ class DrafterConfig:
     max_position_embeddings: int = 40960
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
-    is_causal: bool = True
+    # block rows see the block causally: when given, in every layer; when None, in sliding layers
+    is_causal: bool | None = None
     # DFlash 2 only
     conv_kernel_size: int = 2
     conv_group_size: int = 16
@@ -83,7 +83,7 @@ class DrafterConfig:
         for key in ("target_layer_ids", "mask_token_id"):
             if key not in dcfg and key not in raw:
                 missing.append(f"dflash_config.{key}")
-        block = raw.get("block_size", dcfg.get("block_size"))
+        block = dcfg.get("block_size", raw.get("block_size"))  # DFlash 2 keeps it in dflash_config
         if block is None:
             missing.append("block_size")
         if missing:
@@ -106,6 +106,8 @@ class DrafterConfig:
             "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
             "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
         ) if dcfg.get(k) is not None}  # fmt: skip
+        if "final_logit_softcapping" not in opt and raw.get("final_logit_softcapping"):
+            opt["final_logit_softcapping"] = raw["final_logit_softcapping"]
         return cls(
             architecture=arch,
             hidden_size=int(raw["hidden_size"]),
@@ -122,12 +124,12 @@ class DrafterConfig:
             mask_token_id=int(dcfg.get("mask_token_id", raw.get("mask_token_id"))),
             num_target_layers=raw.get("num_target_layers"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta or 1e6),
+            rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
             layer_types=layer_types,
             sliding_window=raw.get("sliding_window"),
-            is_causal=bool(raw.get("is_causal", True)),
+            is_causal=None if raw.get("is_causal") is None else bool(raw["is_causal"]),
             **opt,
         )
 
@@ -141,6 +143,75 @@ def default_tap_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
 
 
 # ---- the body --------------------------------------------------------------------------
+
+
+class ContextCache:
+    """One drafter layer's context keys/values ([B, n_kv, C, d]), appended a few rows a round.
+
+    A sliding layer keeps only the last `window` rows (sliding_window - 1: all that its anchor
+    row can see). mlx-lm's RotatingKVCache would hold them in rotated order after one-row
+    updates, while the per-row window mask needs time order, so this keeps its own buffer:
+    written in place, `STEP` rows of headroom, compacted when the headroom is used up."""
+
+    STEP = 256
+
+    def __init__(self, window: int | None = None):
+        self.window = window
+        self.keys: mx.array | None = None  # [B, n_kv, capacity, d]
+        self.values: mx.array | None = None
+        self.begin = self.end = 0  # the rows in use: keys[..., begin:end, :]
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        n = keys.shape[2]
+        if self.keys is None or self.end + n > self.keys.shape[2]:
+            held = self.end - self.begin
+            if self.window is not None:
+                held = min(held, max(0, self.window - n))
+            B, H, _, D = keys.shape
+            capacity = held + n + self.STEP
+            new_k = mx.zeros((B, H, capacity, D), keys.dtype)
+            new_v = mx.zeros((B, H, capacity, values.shape[-1]), values.dtype)
+            if held:
+                new_k[..., :held, :] = self.keys[..., self.end - held : self.end, :]
+                new_v[..., :held, :] = self.values[..., self.end - held : self.end, :]
+            self.keys, self.values, self.begin, self.end = new_k, new_v, 0, held
+        self.keys[..., self.end : self.end + n, :] = keys
+        self.values[..., self.end : self.end + n, :] = values
+        self.end += n
+        if self.window is not None:
+            self.begin = max(self.begin, self.end - self.window)
+
+    def fetch(self) -> tuple[mx.array, mx.array]:
+        return (self.keys[..., self.begin : self.end, :],
+                self.values[..., self.begin : self.end, :])  # fmt: skip
+
+    @property
+    def num_rows(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def block_attention_mask(
+    num_ctx: int, num_rows: int, causal: bool, window: int | None
+) -> mx.array | None:
+    """[L, C + L] boolean mask of a block over its C context keys (the C rows right before the
+    anchor, in time order) and its own L rows, or None when every key is visible.
+
+    The reference rules (DFLASH.md): block rows see each other causally when `causal`; in a
+    sliding layer the block row at absolute position p sees a context key at position q only
+    when p - q < window, so later rows see fewer context rows than the anchor does."""
+    clipped = window is not None and num_ctx + num_rows > window
+    if not causal and not clipped:
+        return None
+    rows = mx.arange(num_rows)[:, None]
+    ctx = mx.arange(num_ctx)[None, :]
+    # context key j sits at position start - C + j; row i at start + i
+    ctx_ok = (rows + num_ctx - ctx < window) if clipped else mx.ones((num_rows, num_ctx), mx.bool_)
+    own = mx.arange(num_rows)[None, :] <= rows if causal else mx.ones((num_rows,) * 2, mx.bool_)
+    return mx.concatenate([mx.broadcast_to(ctx_ok, (num_rows, num_ctx)), own], axis=1)
 
 
 class DraftAttention(nn.Module):
@@ -161,38 +232,35 @@ class DraftAttention(nn.Module):
         self.rope = initialize_rope(
             self.head_dim, cfg.rope_theta, False, cfg.rope_scaling, cfg.max_position_embeddings
         )
-        self.window = (cfg.sliding_window - 1) if sliding else None
-        self.causal = sliding and cfg.is_causal
+        self.window = cfg.sliding_window if sliding else None  # counted per block row
+        self.causal = cfg.is_causal if cfg.is_causal is not None else sliding
         self.scale = self.head_dim**-0.5
 
-    def _kv(self, x: mx.array, start: int) -> tuple[mx.array, mx.array]:
+    def make_cache(self) -> ContextCache:
+        return ContextCache(self.window - 1 if self.window is not None else None)
+
+    def _kv(self, x: mx.array, start) -> tuple[mx.array, mx.array]:
         B, S, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=start), v
 
-    def add_context(self, ctx: mx.array, start: int, cache: KVCache) -> None:
+    def add_context(self, ctx: mx.array, start: int, cache: ContextCache) -> None:
         """Project new context rows ([B, C, H] at positions start..) into this layer's cache."""
-        k, v = self._kv(ctx, start)
-        cache.update_and_fetch(k, v)
+        if self.window is not None and (skip := ctx.shape[1] - self.window + 1) > 0:
+            ctx, start = ctx[:, skip:], start + skip  # rows no block row can see again
+        cache.append(*self._kv(ctx, start))
 
-    def __call__(self, x: mx.array, start: int, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, start: int, cache: ContextCache) -> mx.array:
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
         k, v = self._kv(x, start)
-        num_ctx = 0
-        if cache.keys is not None and cache.offset > 0:
-            ck, cv = cache.keys_and_values()
-            if self.window is not None:
-                ck, cv = ck[..., -self.window :, :], cv[..., -self.window :, :]
-            num_ctx = ck.shape[2]
+        num_ctx = cache.num_rows
+        if num_ctx:
+            ck, cv = cache.fetch()
             k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
-        mask = None
-        if self.causal:
-            rows = mx.arange(L)[:, None]
-            cols = mx.arange(num_ctx + L)[None] - num_ctx
-            mask = cols <= rows  # context always visible, block rows causal
+        mask = block_attention_mask(num_ctx, L, self.causal, self.window)
         out = scaled_dot_product_attention(q, k, v, cache=None, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -246,18 +314,21 @@ class DraftLayer(nn.Module):
             self.attention_conv = DynamicConv(*args)
             self.mlp_conv = DynamicConv(*args)
 
-    def __call__(self, x: mx.array, start: int, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, start: int, cache: ContextCache) -> mx.array:
+        return self.run(x, lambda y: self.self_attn(y, start, cache))
+
+    def run(self, x: mx.array, attend) -> mx.array:
+        """The layer around `attend` (normed rows -> attention output): inference passes the
+        cached attention, training a batched, masked one (train/drafter.py)."""
         if "attention_conv" not in self:
-            x = x + self.self_attn(self.input_layernorm(x), start, cache)
+            x = x + attend(self.input_layernorm(x))
             return x + self.mlp(self.post_attention_layernorm(x))
         y = self.input_layernorm(x)
         ker = self.attention_conv.kernels(y)
-        y = self.self_attn(DynamicConv.apply(y, ker, 0), start, cache)
-        x = x + DynamicConv.apply(y, ker, 1)
+        x = x + DynamicConv.apply(attend(DynamicConv.apply(y, ker, 0)), ker, 1)
         y = self.post_attention_layernorm(x)
         ker = self.mlp_conv.kernels(y)
-        y = self.mlp(DynamicConv.apply(y, ker, 0))
-        return x + DynamicConv.apply(y, ker, 1)
+        return x + DynamicConv.apply(self.mlp(DynamicConv.apply(y, ker, 0)), ker, 1)
 
 
 class DraftBody(nn.Module):
@@ -271,8 +342,8 @@ class DraftBody(nn.Module):
         self.layers = [DraftLayer(cfg, t) for t in cfg.layer_types]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
+    def make_cache(self) -> list[ContextCache]:
+        return [layer.self_attn.make_cache() for layer in self.layers]
 
     def context_rows_needed(self) -> int | None:
         """How many trailing context rows matter (None: all), when every layer slides."""
@@ -285,14 +356,16 @@ class DraftBody(nn.Module):
         block_embeds: mx.array,  # [B, L, H]: embeddings of [anchor, MASK, ...]
         start: int,  # absolute position of the anchor
         new_taps: mx.array | None,  # [B, C, n_taps * H_target]: taps of rows start-C .. start-1
-        cache: list[KVCache],
+        cache: list[ContextCache],
     ) -> mx.array:  # [B, L, H]
         if new_taps is not None and new_taps.shape[1] > 0:
             ctx = self.hidden_norm(self.fc(new_taps))
             ctx_start = start - new_taps.shape[1]
             for layer, c in zip(self.layers, cache):
                 layer.self_attn.add_context(ctx, ctx_start, c)
-        h = block_embeds * self.cfg.input_embedding_scale if self.cfg.is_v2 else block_embeds
+        h = block_embeds
+        if self.cfg.input_embedding_scale != 1.0:
+            h = h * self.cfg.input_embedding_scale
         for layer, c in zip(self.layers, cache):
             h = layer(h, start, c)
         return self.norm(h)

@@ -230,10 +230,56 @@ def drafter_config(kind: str, target_dir: Path, block_size: int = 8, layers: int
     return cfg
 
 
+# Published drafter layouts, applied to a `drafter_config` (tests of the reference rules).
+def _dflash2(cfg: dict) -> dict:
+    """A published DFlash 2 layout: all sliding, is_causal false, block 16 in dflash_config,
+    rope_parameters instead of rope_theta, output multiplier and soft-cap."""
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    cfg["num_hidden_layers"] = 3
+    cfg["layer_types"] = ["sliding_attention"] * 3
+    cfg["sliding_window"] = 24
+    cfg["is_causal"] = False
+    cfg.pop("block_size")
+    cfg.pop("rope_theta")
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    cfg["dflash_config"].update(block_size=16, conv_kernel_size=2, conv_group_size=16,
+                                selector_rank=32, selector_top_k=8, input_embedding_scale=1.0,
+                                output_multiplier=0.7, final_logit_softcapping=20.0)  # fmt: skip
+    return cfg
+
+
+def _dflash_mixed(cfg: dict) -> dict:
+    """DFlash with sliding and full layers mixed and is_causal true (every layer causal)."""
+    cfg["num_hidden_layers"] = 3
+    cfg["layer_types"] = ["sliding_attention", "full_attention", "sliding_attention"]
+    cfg["sliding_window"] = 12
+    cfg["is_causal"] = True
+    return cfg
+
+
+def _dflash_plain(cfg: dict) -> dict:
+    """DFlash with neither: all full attention, no is_causal (the block sees itself fully)."""
+    cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
+    cfg.pop("sliding_window")
+    cfg.pop("is_causal")
+    return cfg
+
+
+DRAFTER_LAYOUTS = {
+    "dflash2": _dflash2,
+    "dflash-mixed": _dflash_mixed,
+    "dflash-plain": _dflash_plain,
+}
+
+
 def make_tiny_drafter(out: Path, target_dir: Path, kind: str = "dflash", seed: int = 1,
                       block_size: int = 8, layers: int = 2) -> Path:  # fmt: skip
     """A random DFlash / DFlash 2 drafter for the target at `target_dir`."""
-    raw = drafter_config(kind, target_dir, block_size, layers)
+    return write_random_drafter(out, drafter_config(kind, target_dir, block_size, layers), seed)
+
+
+def write_random_drafter(out: Path, raw: dict, seed: int = 1) -> Path:
+    """Random weights for the drafter config `raw`, written with it in the published layout."""
     cfg = DrafterConfig.from_dict(raw)
     mx.random.seed(seed)
     body = DraftBody(cfg, len(cfg.target_layer_ids) * cfg.hidden_size)

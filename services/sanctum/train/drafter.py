@@ -122,22 +122,25 @@ def drafter_config(target: Target, shape: DrafterShape, dtype: str = "float32") 
 def block_masks(
     cfg: DrafterConfig, anchors: mx.array, seq_len: int, block: int
 ) -> dict[str, mx.array]:
-    """Boolean masks [B, 1, N*L, S + N*L] per layer type: context keys before the anchor (the
-    last sliding_window-1 of them in sliding layers) and the block's own rows (causal in sliding
-    layers when the config says so)."""
+    """Boolean masks [B, 1, N*L, S + N*L] per layer type, by the inference rules
+    (`engine.drafter.block_attention_mask`): context keys strictly before the anchor, in sliding
+    layers only those less than sliding_window before each row's own position; the block's own
+    rows, causally when the config says so (is_causal; when absent, in sliding layers)."""
     B, N = anchors.shape
     s = mx.arange(seq_len)[None, None, None, :]  # [1, 1, 1, S]
     a = anchors[:, :, None, None]  # [B, N, 1, 1]
+    row = mx.arange(block)[None, None, :, None]  # [1, 1, L, 1]
     j = mx.arange(N * block)
     same_block = (j[:, None] // block) == (j[None, :] // block)  # [NL, NL]
     out = {}
     for kind in set(cfg.layer_types):
+        sliding = kind == "sliding_attention"
         ctx = s < a
+        if sliding:
+            ctx = ctx & (a + row - s < cfg.sliding_window)  # [B, N, L, S]
         own = same_block
-        if kind == "sliding_attention":
-            ctx = ctx & (s >= a - (cfg.sliding_window - 1))
-            if cfg.is_causal:
-                own = own & ((j[None, :] % block) <= (j[:, None] % block))
+        if cfg.is_causal if cfg.is_causal is not None else sliding:
+            own = own & ((j[None, :] % block) <= (j[:, None] % block))
         ctx = mx.broadcast_to(ctx, (B, N, block, seq_len)).reshape(B, N * block, seq_len)
         own = mx.broadcast_to(own[None], (B, N * block, N * block))
         out[kind] = mx.concatenate([ctx, own], axis=-1)[:, None]
@@ -169,16 +172,15 @@ def block_forward(
     """taps [B, S, W] of every row, block_embeds [B, N, L, H] of [x_p, MASK, ...], anchors [B, N]
     -> final hidden states [B, N, L, H] (after the body's norm)."""
     cfg = body.cfg
-    if cfg.is_v2:
-        raise NotImplementedError("training DFlash 2 drafters is not supported yet")
     B, N, L, H = block_embeds.shape
     ctx = body.hidden_norm(body.fc(taps))  # [B, S, H]
     masks = block_masks(cfg, anchors, taps.shape[1], L)
     pos = anchors.reshape(B * N)
     h = block_embeds.reshape(B * N, L, H)
+    if cfg.input_embedding_scale != 1.0:
+        h = h * cfg.input_embedding_scale
     for layer, kind in zip(body.layers, cfg.layer_types):
-        h = h + _attend(layer.self_attn, layer.input_layernorm(h), ctx, pos, masks[kind], B, N)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = layer.run(h, lambda y: _attend(layer.self_attn, y, ctx, pos, masks[kind], B, N))  # noqa: B023
     return body.norm(h).reshape(B, N, L, H)
 
 

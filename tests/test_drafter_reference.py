@@ -1,0 +1,87 @@
+"""The drafter against the DFlash authors' own MLX implementation (`dflash` 0.1.0 on PyPI,
+`dflash/model_mlx.py`), installed as a test oracle by `make setup`: shared random weights in the
+published layouts, many rounds whose context outgrows the sliding window, context appended a few
+rows at a time as in real rounds.
+
+How the comparison is fair (DFLASH.md): the reference's incremental sliding cache returns keys in
+rotated order while its mask assumes time order, so every round it gets a fresh cache and the whole
+context; ours runs incrementally, exactly as it serves. Its `load_draft` fetches through the hub, so
+the test points that fetch at the local folder: both loaders read the same config.json as is.
+"""
+
+from __future__ import annotations
+
+import json
+
+import dflash.model_mlx as reference  # the oracle: `make setup` installs dflash==0.1.0
+import mlx.core as mx
+import numpy as np
+import pytest
+from sanctum.engine.drafter import load_drafter
+from sanctum.engine.speculative import LocalDraftPeer
+from sanctum.engine.target import load_target
+from sanctum.engine.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
+
+
+@pytest.fixture(scope="module")
+def target(make_pair):
+    target_dir, _ = make_pair("hybrid", "dflash")
+    return target_dir, load_target(target_dir)
+
+
+def _reference_drafter(path, monkeypatch, target_model):
+    monkeypatch.setattr(reference, "snapshot_download", lambda *a, **k: str(path))
+    model = reference.load_draft(str(path))
+    model.set_dtype(mx.float32)  # ours runs float32 on the CPU
+    return model.bind(target_model)
+
+
+@pytest.mark.parametrize("layout", sorted(DRAFTER_LAYOUTS))
+def test_drafter_equals_reference(layout, target, tmp_path, monkeypatch):
+    target_dir, tgt = target
+    raw = DRAFTER_LAYOUTS[layout](drafter_config("dflash", target_dir, block_size=8, layers=2))
+    path = write_random_drafter(tmp_path / layout, raw, seed=3)
+    assert json.loads((path / "config.json").read_text()) == raw  # read as published
+    ours = load_drafter(path, tgt)
+    ref = _reference_drafter(path, monkeypatch, tgt.model)
+    cfg, L = ours.cfg, ours.block_size
+    assert L == (16 if layout == "dflash2" else 8)  # DFlash 2: block_size inside dflash_config
+    window = cfg.sliding_window or 10**9
+
+    rng = np.random.default_rng(7)
+    total = 40 + 5 * L + (cfg.sliding_window or 0)
+    tokens = rng.integers(10, tgt.vocab_size, total).astype(np.int32)
+    _, taps = tgt.forward(mx.array(tokens), tgt.make_cache(), cfg.target_layer_ids)  # [S, W]
+    peer = LocalDraftPeer(ours)
+    peer.open("s")
+    mask = [cfg.mask_token_id] * (L - 1)
+    start, seen, rounds, past_window = 9, 0, 0, 0
+    while start + L <= total:
+        anchor = int(tokens[start])
+        embeds = tgt.embed_tokens(mx.array([anchor] + mask))  # [L, H]
+        hidden = peer.draft("s", taps[seen:start], embeds, start)  # [L-1, H]
+        seen = start
+        logits = ours.head.logits(hidden)
+
+        ref_hidden = ref.hidden_states(
+            mx.array([[anchor] + mask]), taps[None, :start], ref.make_cache(), logits_start=1
+        )
+        ref_logits = ref.compute_logits(ref_hidden).astype(mx.float32)[0]
+        scale = mx.abs(ref_logits).max().item()
+        assert mx.allclose(logits, ref_logits, atol=2e-5 * max(1.0, scale), rtol=1e-4).item(), (
+            f"round {rounds} at {start}: max |diff| {mx.abs(logits - ref_logits).max().item():.3g}"
+        )
+        if cfg.is_v2:
+            ours_picks = ours.head.select(hidden, logits, anchor, 0.0)[0]
+            ref_picks = ref.candidate_selector.select(
+                ref_hidden, ref.compute_logits(ref_hidden), mx.array([anchor]), 0.0
+            )[0][0]
+            assert ours_picks.tolist() == ref_picks.tolist(), f"round {rounds}"
+        else:
+            assert mx.argmax(logits, -1).tolist() == mx.argmax(ref_logits, -1).tolist()
+        past_window += start > window
+        start += int(rng.integers(1, L + 1))  # accepted + 1 rows join the context
+        rounds += 1
+    assert rounds >= 12
+    if cfg.sliding_window:
+        assert past_window >= 5  # most of the rounds are longer than the window
