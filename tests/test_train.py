@@ -17,8 +17,8 @@ from sanctum.engine.tiny import (
     drafter_config,
     write_random_drafter,
 )
+from sanctum.train.blocks import block_forward, target_pass
 from sanctum.train.data import Corpus, build_corpus, function_pairs, is_holdout, stdlib_root
-from sanctum.train.drafter import block_forward, target_pass
 from sanctum.train.gdn import chunked_gdn
 
 # three small, stable stdlib modules: enough text for a few steps
@@ -90,6 +90,53 @@ def test_drafter_command_loss_falls(tmp_path, tiny_pair, corpus_args):
     target = load_target(target_dir)
     drafter = load_drafter(out, target)  # the written checkpoint loads unchanged
     assert drafter.cfg.target_layer_ids == (1, 3, 5)
+
+
+def test_dflash2_long_packing_loss_falls(tmp_path, tiny_pair, corpus_args):
+    """DFlash 2 training on long windows with regenerated spans (`train regen --spans`), a
+    sliding window shorter than the window and is_causal false (the published layout): the loss
+    falls, the selector learns, and the checkpoint drafts losslessly through the engine."""
+    from sanctum.engine.sampling import SamplingParams
+    from sanctum.engine.speculative import generate
+
+    target_dir, _ = tiny_pair
+    corpus_args = [*corpus_args, "--corpus", str(stdlib_root() / "sched.py")]  # a held-out file
+    assert is_holdout("sched.py")
+    regen = tmp_path / "regen.npz"
+    assert main(["train", "regen", "--target", str(target_dir), "--out", str(regen),
+                 "--count", "8", "--holdout", "2", "--seq-len", "160", "--spans", "3",
+                 "--new-tokens", "16", "--temperatures", "0,1", "--batch", "4", *corpus_args]) == 0  # fmt: skip
+    out = tmp_path / "drafter2"
+    argv = ["train", "drafter", "--target", str(target_dir), "--out", str(out), "--kind",
+            "dflash2", "--sliding-window", "48", "--is-causal", "false", "--selector-rank", "16",
+            "--selector-top-k", "8", "--layers", "2", "--head-dim", "32", "--taps", "1,3,5",
+            "--steps", "30", "--batch", "4", "--seq-len", "160", "--rows-per-seq", "96",
+            "--lr", "3e-3", "--regen-data", str(regen), "--log-every", "1", "--distill", "0",
+            "--hard-labels", "data", "--eval-every", "15", "--dtype", "float32",
+            "--no-compile", *corpus_args]  # fmt: skip
+    assert main(argv) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    for part, drop in (("draft_loss", 0.1), ("select_loss", 0.3)):  # the body's, the selector's
+        losses = [r[part] for r in log["train"]]
+        assert np.mean(losses[-5:]) < np.mean(losses[:5]) - drop, part
+    assert {"regen_tau_b8", "regen_tau_t1_b16", "holdout_tau_b8"} <= set(log["eval"][-1])
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["is_causal"] is False and raw["dflash_config"]["block_size"] == 8
+    assert "block_size" not in raw  # the published DFlash 2 layout
+    target = load_target(target_dir)
+    drafter = load_drafter(out, target)
+    assert drafter.cfg.is_v2 and drafter.cfg.sliding_window == 48
+    book = drafter.head.candidate_selector.successor_codebook
+    assert mx.abs(book).max().item() > 0.1  # moved from its 0.02-scale init
+    prompt = list(range(20, 90))
+    plain = [t for s in generate(target, prompt, max_tokens=24, eos_ids=set()) for t in s.tokens]
+    steps = list(generate(target, prompt, drafter=drafter, sampling=SamplingParams(),
+                          max_tokens=24, eos_ids=set()))  # fmt: skip
+    assert [t for s in steps for t in s.tokens] == plain
+    assert main(["train", "pack", "--target", str(target_dir), "--drafter", str(out),
+                 "--out", str(tmp_path / "packed"), "--drafter-only"]) == 0  # fmt: skip
+    packed = load_drafter(tmp_path / "packed" / "drafter", target)  # selector kept beside
+    assert mx.allclose(packed.head.candidate_selector.successor_codebook, book, atol=1e-2).item()
 
 
 def test_fast_gdn_matches_mlx_lm(tiny_pair):
@@ -202,25 +249,43 @@ def test_pack_loads_small_and_close(tmp_path, tiny_pair):
     assert size < 0.4 * sum(f.stat().st_size for f in drafter_dir.glob("*.safetensors"))
 
 
-def test_regen_equals_engine_greedy(tiny_pair):
-    """`sanctum train regen`'s batched continuations are the engine's own greedy outputs."""
+def test_regen_spans_are_engine_greedy(tiny_pair):
+    """`sanctum train regen`'s spans: each greedy span is the engine's own greedy continuation of
+    everything before it in the row (earlier spans included), stubs sit right before the spans,
+    and sampled rows (temperature > 0) come out where greedy ones would not."""
     from sanctum.engine.sampling import SamplingParams
     from sanctum.engine.speculative import generate
-    from sanctum.train.regen import continue_greedy, make_prompts
+    from sanctum.train.regen import place_stubs, regenerate_rows, span_starts
 
     target = load_target(tiny_pair[0])
-    stream = np.random.default_rng(0).integers(0, target.vocab_size, 2000)
+    rng = np.random.default_rng(0)
+    starts = span_starts(96, 2, 10, np.random.default_rng(3))
+    assert len(starts) == 2 and 16 <= starts[0] and starts[0] + 10 <= 48 <= starts[1] <= 86
+    rows = rng.integers(10, target.vocab_size, (3, 40)).astype(np.int32)
     stubs = [{"ids": np.array([5, 6, 7], np.int32), "chat": False},
              {"ids": np.array([8, 9], np.int32), "chat": True}]  # fmt: skip
-    prompts, kinds = make_prompts(stream, 6, 16, np.random.default_rng(1), stubs, eot_id=3)
-    assert prompts.shape == (6, 16) and set(kinds.tolist()) == {0, 1, 2}
-    assert prompts[1, -4:].tolist() == [3, 5, 6, 7] and prompts[2, -3:].tolist() == [3, 8, 9]
-    rows = continue_greedy(target, prompts, 12, batch=4)
-    assert rows.shape == (6, 28) and (rows[:, :16] == prompts).all()
-    for row in rows:
-        steps = generate(target, row[:16].tolist(), sampling=SamplingParams(), max_tokens=12,
-                         eos_ids=set())  # fmt: skip
-        assert [t for s in steps for t in s.tokens] == row[16:].tolist()
+    kinds = place_stubs(rows, [20], rng, stubs, eot_id=3)
+    assert kinds.tolist() == [0, 1, 2]
+    assert rows[1, 16:20].tolist() == [3, 5, 6, 7] and rows[2, 17:20].tolist() == [3, 8, 9]
+
+    windows = rng.integers(10, target.vocab_size, (5, 64)).astype(np.int32)
+    out, gen, _, temps = regenerate_rows(target, windows, 2, 12, batch=4,
+                                         rng=np.random.default_rng(1), temperatures=(0.0, 1.0))  # fmt: skip
+    assert out.shape == windows.shape and temps.tolist() == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert (out[~gen] == windows[~gen]).all() and gen.sum() == 5 * 2 * 12
+    sampled_differs = False
+    for row, mask, temp in zip(out, gen, temps):
+        starts = [i for i in range(64) if mask[i] and (i == 0 or not mask[i - 1])]
+        assert len(starts) == 2
+        for start in starts:
+            steps = generate(target, row[:start].tolist(), sampling=SamplingParams(),
+                             max_tokens=12, eos_ids=set())  # fmt: skip
+            greedy = [t for s in steps for t in s.tokens]
+            if temp == 0:
+                assert greedy == row[start : start + 12].tolist()
+            else:
+                sampled_differs |= greedy != row[start : start + 12].tolist()
+    assert sampled_differs
 
 
 def test_drafter_fine_tune_from_packed_init(tmp_path, tiny_pair, corpus_args):
@@ -234,8 +299,8 @@ def test_drafter_fine_tune_from_packed_init(tmp_path, tiny_pair, corpus_args):
     assert is_holdout("struct.py")
     regen = tmp_path / "regen.npz"
     assert main(["train", "regen", "--target", str(packed / "target"), "--out", str(regen),
-                 "--count", "6", "--holdout", "2", "--prompt-len", "16", "--new-tokens", "48",
-                 "--batch", "4", *corpus_args]) == 0  # fmt: skip
+                 "--count", "6", "--holdout", "2", "--seq-len", "64", "--spans", "1",
+                 "--prompt-len", "16", "--new-tokens", "48", "--batch", "4", *corpus_args]) == 0  # fmt: skip
     with np.load(regen) as z:
         assert z["train"].shape == (6, 64) and z["holdout"].shape == (2, 64)
     init = load_drafter(packed / "drafter", load_target(packed / "target"))

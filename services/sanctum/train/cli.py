@@ -12,6 +12,10 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
 def _corpus_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", action="append", default=[], metavar="PATH",
                    help="text files or folders (.txt .md .rst .py .jsonl); default: Python's stdlib")  # fmt: skip
@@ -100,11 +104,14 @@ def cmd_drafter(args) -> int:
     with chunked_gdn():
         target = target_for_training(load_target(args.target), args.target_dtype)
     corpus = _load_corpus(args, Path(target.path))
-    regen_data = load_regen(args.regen_data)[:2] if args.regen_data else None
+    regen_data = load_regen(args.regen_data) if args.regen_data else None
+    causal = {"true": True, "false": False}.get(args.is_causal)
     shape = DrafterShape(
-        layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-        intermediate=args.intermediate, tap_ids=_ints(args.taps) if args.taps else None,
-        block_size=args.block_size, mask_token_id=args.mask_token_id,
+        kind=args.kind, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+        head_dim=args.head_dim, intermediate=args.intermediate,
+        tap_ids=_ints(args.taps) if args.taps else None, block_size=args.block_size,
+        mask_token_id=args.mask_token_id, sliding_window=args.sliding_window, is_causal=causal,
+        selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
     )  # fmt: skip
     settings = DrafterTraining(
         steps=args.steps, batch=args.batch, seq_len=args.seq_len, rows_per_seq=args.rows_per_seq,
@@ -124,12 +131,17 @@ def cmd_drafter(args) -> int:
 
 def cmd_regen(args) -> int:
     from ..engine.target import load_target
+    from .drafter import target_for_training
+    from .gdn import chunked_gdn
     from .regen import build_regen, save_regen
 
-    target = load_target(args.target)
+    with chunked_gdn():  # the target as the drafter trainer sees it: float32, dequantized
+        target = target_for_training(load_target(args.target), "float32")
     corpus = _load_corpus(args, Path(target.path))
-    arrays = build_regen(target, corpus, args.count, args.prompt_len, args.new_tokens, args.batch,
-                         args.holdout, args.seed, args.corpus or None, log=lambda m: print(m, flush=True))  # fmt: skip
+    arrays = build_regen(target, corpus, args.count, args.seq_len, args.spans, args.new_tokens,
+                         args.batch, args.holdout, args.seed, args.corpus or None,
+                         _floats(args.temperatures), args.prompt_len,
+                         log=lambda m: print(m, flush=True))  # fmt: skip
     save_regen(args.out, arrays)
     print(json.dumps({"out": args.out, "train": list(arrays["train"].shape),
                       "holdout": list(arrays["holdout"].shape) if "holdout" in arrays else None,
@@ -211,9 +223,17 @@ def register(subparsers) -> None:
     _loop_flags(p, steps=3000, batch=32, lr=2e-3)
     p.set_defaults(func=cmd_target)
 
-    p = sub.add_parser("drafter", help="a DFlash drafter for any mlx-lm target (frozen)")
+    p = sub.add_parser("drafter", help="a DFlash / DFlash 2 drafter for any mlx-lm target (frozen)")
     p.add_argument("--target", required=True, help="target checkpoint dir (any mlx-lm model)")
     p.add_argument("--out", required=True)
+    p.add_argument("--kind", default="dflash", choices=("dflash", "dflash2"),
+                   help="dflash2: dynamic convolutions and a candidate selector")  # fmt: skip
+    p.add_argument("--sliding-window", type=int,
+                   help="every layer attends to this many rows back (default: full attention)")  # fmt: skip
+    p.add_argument("--is-causal", choices=("true", "false"),
+                   help="written to the config (default: absent: sliding layers causal)")  # fmt: skip
+    p.add_argument("--selector-rank", type=int, default=64, help="DFlash 2 codebook rank")
+    p.add_argument("--selector-top-k", type=int, default=16, help="DFlash 2 candidates a row")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--heads", type=int)
     p.add_argument("--kv-heads", type=int, default=2)
@@ -249,16 +269,20 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_drafter)
 
     p = sub.add_parser(
-        "regen", help="the target's own greedy continuations of training prompts, to an .npz"
+        "regen", help="training windows with spans the target continues itself, to an .npz"
     )
     p.add_argument("--target", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--data", help="a token file from `sanctum train corpus` (instead of --corpus)")
     p.add_argument("--count", type=int, default=1024, help="training sequences")
     p.add_argument("--holdout", type=int, default=64, help="held-out sequences (evaluation only)")
-    p.add_argument("--prompt-len", type=int, default=96)
-    p.add_argument("--new-tokens", type=int, default=160)
-    p.add_argument("--batch", type=int, default=128, help="sequences per forward")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens a sequence")
+    p.add_argument("--spans", type=int, default=4, help="generated spans a sequence")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens a span")
+    p.add_argument("--prompt-len", type=int, help="where the first span starts (default: random)")
+    p.add_argument("--temperatures", default="0",
+                   help="continuation temperatures, cycled over the rows (0 = greedy)")  # fmt: skip
+    p.add_argument("--batch", type=int, default=64, help="sequences per forward")
     p.add_argument("--seed", type=int, default=0)
     _corpus_flags(p)
     p.set_defaults(func=cmd_regen)

@@ -1,9 +1,15 @@
 """Training text: Python's standard library (on every machine, PSF-licensed) or a user's corpus,
 turned into one token stream with a held-out split by file.
 
-Part of the stdlib is shaped as chat: the user gives a function's signature and docstring, the
-assistant writes the function; up to three such turns make one conversation, rendered with the
-project's CHAT_TEMPLATE so that multi-turn chat is in the training distribution.
+Part of the stdlib is shaped as chat, rendered with the project's CHAT_TEMPLATE so that multi-turn
+chat is in the training distribution:
+- function chats: the user gives a function's signature and docstring, the assistant writes the
+  function; one to three such turns, and now and then a long conversation of up to twelve;
+- review chats, shaped like `sanctum bench multiturn`'s conversations: a reviewer's system prompt,
+  then turn after turn the user shows a slice of a file ("Review this code: ...") and the assistant
+  answers with the code that follows it. Eight turns make ~3-5K tokens, so the long windows the
+  target and drafter train on (4,096 tokens) hold whole conversations.
+Windows are cut anywhere in the stream, so a long window also joins files.
 """
 
 from __future__ import annotations
@@ -26,6 +32,13 @@ HOLDOUT_PERCENT = 5  # files whose path hashes below this are never trained on
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 _SYSTEM = "You are a careful Python programmer. Answer with code."
 _ASKS = ("", "Write this function.\n\n", "Implement:\n\n", "Complete the body:\n\n")
+REVIEW_SYSTEM = "You are a careful Python reviewer."  # bench multiturn's conversation
+REVIEW_CHARS = 900  # the size of bench multiturn's code slices
+
+
+def review_request(snippet: str) -> str:
+    """A user turn of a review chat (bench multiturn asks the same)."""
+    return f"Review this code:\n```python\n{snippet}\n```"
 
 
 def is_holdout(name: str, percent: int = HOLDOUT_PERCENT) -> bool:
@@ -86,18 +99,44 @@ def function_pairs(source: str, max_lines: int = 60) -> list[tuple[str, str]]:
 
 
 def conversations(source: str, rng: random.Random, max_turns: int = 3) -> Iterator[str]:
-    """Rendered chats of up to `max_turns` (stub -> function) turns from one file."""
+    """Rendered chats of (stub -> function) turns from one file: up to `max_turns`, one in eight
+    up to four times as many (long conversations)."""
     pairs = function_pairs(source)
     rng.shuffle(pairs)
     i = 0
     while i < len(pairs):
-        n = rng.randint(1, max_turns)
+        n = rng.randint(1, max_turns * (4 if rng.random() < 0.125 else 1))
         messages = [{"role": "system", "content": _SYSTEM}] if rng.random() < 0.5 else []
         for stub, func in pairs[i : i + n]:
             messages.append({"role": "user", "content": rng.choice(_ASKS) + stub})
             messages.append({"role": "assistant", "content": func})
         i += n
         yield render_chat(messages)
+
+
+def review_chats(source: str, rng: random.Random, max_turns: int = 8) -> Iterator[str]:
+    """Rendered review chats of one file: the user shows slice after slice of it, the assistant
+    answers each with the code that follows (the next slice, a little longer or shorter)."""
+    if len(source) < 4 * REVIEW_CHARS:
+        return
+
+    def line_end(i: int) -> int:  # slices end at a line's end
+        j = source.find("\n", i)
+        return len(source) + 1 if j < 0 else j + 1
+
+    pos = line_end(rng.randrange(0, REVIEW_CHARS))
+    while pos + 2 * REVIEW_CHARS < len(source):
+        messages = [{"role": "system", "content": REVIEW_SYSTEM}]
+        for _ in range(rng.randint(2, max_turns)):
+            ask_end = line_end(pos + rng.randint(REVIEW_CHARS // 2, REVIEW_CHARS))
+            answer_end = line_end(ask_end + rng.randint(REVIEW_CHARS // 3, REVIEW_CHARS))
+            if answer_end > len(source):
+                break
+            messages.append({"role": "user", "content": review_request(source[pos:ask_end])})
+            messages.append({"role": "assistant", "content": source[ask_end:answer_end]})
+            pos = answer_end
+        if len(messages) > 1:
+            yield render_chat(messages)
 
 
 def _jsonl_documents(text: str) -> Iterator[str]:
@@ -122,6 +161,7 @@ def documents(files: list[tuple[str, Path]], chat: bool, seed: int = 0) -> Itera
         yield text
         if chat and path.suffix == ".py":
             yield from conversations(text, rng)
+            yield from review_chats(text, rng)
 
 
 @dataclass

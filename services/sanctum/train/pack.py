@@ -39,15 +39,20 @@ def pack_target(src: str | Path, out: str | Path, bits: int = 6) -> Path:
 
 
 def pack_drafter(src: str | Path, out: str | Path, target=None, bits: int = 8) -> Path:
-    """Save a DFlash drafter's body with its linear layers quantized to `bits` (group 64)."""
+    """Save a DFlash drafter's body with its linear layers quantized to `bits` (group 64); a
+    DFlash 2 drafter's candidate selector stays as it is (bfloat16), beside it."""
     from ..engine.drafter import _quantizable, load_drafter
 
     src, out = Path(src), Path(out)
-    drafter = load_drafter(src, target, parts="body")
+    drafter = load_drafter(src, target, parts="both" if target is not None else "body")
     body = drafter.body
     nn.quantize(body, group_size=GROUP, bits=bits, class_predicate=_quantizable(bits))
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(body.parameters()))
+    if drafter.cfg.is_v2:
+        if drafter.head is None:
+            raise ValueError("packing a DFlash 2 drafter needs its target (for the selector)")
+        weights.update(tree_flatten(drafter.head.parameters()))
     save_sharded(
         out, {k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in weights.items()}
     )

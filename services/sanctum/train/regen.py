@@ -1,19 +1,24 @@
-"""`sanctum train regen`: the target's own greedy continuations of training prompts (DFLASH.md's
-"regenerated data"), written once to an .npz that `sanctum train drafter --regen-data` reads.
+"""`sanctum train regen`: the target's own continuations (DFLASH.md's "regenerated data"),
+written once to an .npz that `sanctum train drafter --regen-data` reads.
 
-Prompts are equal-length token windows, so a whole batch runs as one mlx-lm forward per token
-with no padding: a third are plain windows of the training stream, a third end in a function's
-signature + docstring (raw code, as `bench tau` prompts do), a third in the same stub asked for as
-a chat user turn followed by `<|im_start|>assistant\\n`. The stubs come from training files only
-(never `is_holdout` ones); the text before a stub is the training stream up to an end-of-text
-token, as in the corpus. Held-out sequences (random held-out windows, continued the same way) are
-written apart, for evaluation only.
+A regenerated sequence is a window of the training stream, `seq_len` tokens long, in which `spans`
+stretches of `new_tokens` tokens are the target's own continuation of everything before them, at
+short, middle and long context alike, the way a conversation interleaves the user's text with the
+model's replies. Right before a span, two rows in three carry a function stub from a training
+file in place of the stream's tokens (signature + docstring, as raw code or as a chat user turn
+followed by `<|im_start|>assistant\n`), as `bench tau`'s prompts end. Rows continue greedily or
+sampled, at temperatures cycled over the rows: the drafter's labels stay the target's
+distribution (computed online while it trains), so sampled rows show it the contexts that sampled
+decoding produces. All rows of a batch share span positions, so a batch runs as one mlx-lm forward
+per token, without padding. Held-out sequences (held-out windows, continued the same way) are
+written apart, for evaluation only. Stubs come from training files only (never `is_holdout` ones).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,6 +28,7 @@ from ..engine.target import Target
 from .data import Corpus, TextTokenizer, corpus_files, function_pairs, is_holdout, render_chat
 
 KINDS = ("window", "code", "chat")
+PREFILL_CHUNK = 512  # rows per prefill forward: keeps a batch's activations small
 
 
 def training_stubs(paths=None, seed: int = 0) -> list[str]:
@@ -44,71 +50,153 @@ def stub_prompt(stub: str, chat: bool) -> str:
     return stub + "\n"
 
 
-def make_prompts(tokens: np.ndarray, count: int, length: int, rng: np.random.Generator,
-                 stubs: list[dict] | None = None, eot_id: int = 0) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """[count, length] prompts and their kinds (indices into KINDS). A stub prompt is the last
-    `length` tokens of (stream text, end-of-text, stub ids); stubs longer than length - 8 are
-    skipped. Without stubs every prompt is a window."""
-    fits = [s for s in (stubs or []) if 0 < len(s["ids"]) <= length - 8] if stubs else []
-    out = np.zeros((count, length), np.int32)
-    kinds = np.zeros(count, np.int8)
-    starts = rng.integers(0, tokens.size - length, size=count)
-    for i, s in enumerate(starts):
-        window = tokens[s : s + length].astype(np.int32)
-        kind = i % len(KINDS) if fits else 0
-        if kind:
-            pick = [f for f in fits if f["chat"] == (kind == 2)] or fits
-            ids = pick[rng.integers(len(pick))]["ids"]
-            window = np.concatenate([window, [eot_id], ids])[-length:]
-        out[i], kinds[i] = window, kind
-    return out, kinds
+def span_starts(seq_len: int, spans: int, new_tokens: int, rng: np.random.Generator,
+                first: int | None = None) -> list[int]:  # fmt: skip
+    """Where the generated spans start: one inside each of `spans` equal stretches of the window
+    (so at every context length), the first at 16 or later, or at `first` when given."""
+    bounds = np.linspace(0, seq_len, spans + 1).astype(int)
+    starts = []
+    for n, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        lo = max(lo, 16) if n == 0 else lo + 1  # a gap after the previous span
+        if n == 0 and first is not None:
+            if not 0 < first <= hi - new_tokens:
+                raise ValueError(f"--prompt-len {first} and {new_tokens} new tokens do not fit "
+                                 f"the first {hi} tokens")  # fmt: skip
+            starts.append(int(first))
+            continue
+        if hi - new_tokens < lo:
+            raise ValueError(f"{spans} spans of {new_tokens} tokens do not fit {seq_len} tokens")
+        starts.append(int(rng.integers(lo, hi - new_tokens + 1)))
+    return starts
 
 
-def continue_greedy(target: Target, prompts: np.ndarray, new_tokens: int, batch: int = 128,
-                    log=None) -> np.ndarray:  # fmt: skip
-    """[N, P] equal-length prompts -> [N, P + new_tokens]: each continued greedily by the target,
-    `batch` sequences per forward (mlx-lm's own caches; EOS does not stop a row)."""
+def place_stubs(rows: np.ndarray, starts: list[int], rng: np.random.Generator,
+                stubs: list[dict] | None, eot_id: int) -> np.ndarray:  # fmt: skip
+    """Kinds per row (indices into KINDS); rows of kind code/chat get, right before each span, a
+    stub of that kind (after an end-of-text token) in place of the stream's tokens."""
+    kinds = np.zeros(rows.shape[0], np.int8)
+    if not stubs:
+        return kinds
+    gaps = np.diff([0, *starts])  # tokens of room before each span (after the previous one)
+    for i in range(rows.shape[0]):
+        kinds[i] = kind = i % len(KINDS)
+        if not kind:
+            continue
+        pick = [s for s in stubs if s["chat"] == (kind == 2)] or stubs
+        for start, room in zip(starts, gaps):
+            ids = np.concatenate([[eot_id], pick[rng.integers(len(pick))]["ids"]])
+            if len(ids) + 8 <= room:
+                rows[i, start - len(ids) : start] = ids
+    return kinds
+
+
+def _text_model(target: Target):
+    """mlx-lm's text model (embedding, layers, final norm) inside the target's checkpoint."""
+    return (
+        target.model.language_model.model
+        if "language_model" in target.model
+        else target.model.model
+    )
+
+
+def _feed(target: Target, tokens: mx.array, cache: list) -> mx.array:
+    """Run [B, P] tokens on the mlx-lm caches in chunks; the last row's logits [B, V]."""
+    text = _text_model(target)
+    for i in range(0, tokens.shape[1], PREFILL_CHUNK):
+        h = text(tokens[:, i : i + PREFILL_CHUNK], cache=cache)
+        mx.eval(h)
+    return target.lm_head(h[:, -1]).astype(mx.float32)
+
+
+def continue_spans(target: Target, rows: np.ndarray, starts: list[int], new_tokens: int,
+                   temperatures: np.ndarray, key: mx.array) -> np.ndarray:  # fmt: skip
+    """One batch: [B, T] rows with each span [start, start + new_tokens) replaced by the target's
+    continuation of the row so far (greedy where the row's temperature is 0, else sampled)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from .gdn import chunked_gdn
 
-    out, t0 = [], time.perf_counter()
-    for start in range(0, prompts.shape[0], batch):
-        rows = mx.array(prompts[start : start + batch].astype(np.int32))
-        cache = make_prompt_cache(target.model)
-        with chunked_gdn():  # the prompt in chunks; one-token steps keep mlx-lm's path
-            logits = target.model(rows, cache=cache)[:, -1]
-        pieces = [rows]
-        for _ in range(new_tokens):
-            nxt = mx.argmax(logits, axis=-1)[:, None].astype(mx.int32)
-            pieces.append(nxt)
-            logits = target.model(nxt, cache=cache)[:, -1]
-            mx.async_eval(pieces[-1], logits)
-        out.append(np.array(mx.concatenate(pieces, axis=1)))
+    out = rows.copy()
+    cache = make_prompt_cache(target.model)
+    temps = mx.array(temperatures.astype(np.float32))[:, None]  # [B, 1]
+    pos, logits = 0, None
+    with chunked_gdn():  # prefill in chunks; one-token steps keep mlx-lm's path
+        for start in starts:
+            if start > pos:  # else the last step's logits continue right away
+                logits = _feed(target, mx.array(out[:, pos:start].astype(np.int32)), cache)
+            picked = []
+            for _ in range(new_tokens):
+                key, sub = mx.random.split(key)
+                sampled = mx.random.categorical(logits / mx.maximum(temps, 1e-6), key=sub)
+                nxt = mx.where(temps[:, 0] > 0, sampled, mx.argmax(logits, axis=-1))
+                picked.append(nxt.astype(mx.int32))
+                logits = target.lm_head(_text_model(target)(picked[-1][:, None], cache=cache))
+                logits = logits[:, -1].astype(mx.float32)
+                mx.async_eval(picked[-1], logits)
+            out[:, start : start + new_tokens] = np.array(mx.stack(picked, axis=1))
+            pos = start + new_tokens
+    return out
+
+
+@dataclass
+class Regen:
+    """Regenerated sequences: rows [N, T] and which of their tokens the target wrote."""
+
+    train: np.ndarray  # [N, T] int32
+    train_generated: np.ndarray  # [N, T] bool
+    holdout: np.ndarray | None = None  # [M, T]
+    holdout_generated: np.ndarray | None = None
+    info: dict | None = None
+
+
+def regenerate_rows(target: Target, windows: np.ndarray, spans: int, new_tokens: int,
+                    batch: int, rng: np.random.Generator, temperatures=(0.0,), stubs=None,
+                    eot_id: int = 0, first: int | None = None, log=None):  # fmt: skip
+    """[N, T] windows -> (rows with generated spans, generated mask, kinds, temperature per row)."""
+    rows, gen = windows.astype(np.int32).copy(), np.zeros(windows.shape, bool)
+    kinds = np.zeros(rows.shape[0], np.int8)
+    temps = np.array([temperatures[i % len(temperatures)] for i in range(rows.shape[0])])
+    key = mx.random.key(int(rng.integers(2**31)))
+    t0 = time.perf_counter()
+    for b in range(0, rows.shape[0], batch):
+        sl = slice(b, b + batch)
+        starts = span_starts(rows.shape[1], spans, new_tokens, rng, first)
+        kinds[sl] = place_stubs(rows[sl], starts, rng, stubs, eot_id)
+        key, sub = mx.random.split(key)
+        rows[sl] = continue_spans(target, rows[sl], starts, new_tokens, temps[sl], sub)
+        for s in starts:
+            gen[sl, s : s + new_tokens] = True
         if log:
-            done = start + rows.shape[0]
-            log(f"regen: {done}/{prompts.shape[0]} sequences, {time.perf_counter() - t0:.0f} s")
-    return np.concatenate(out).astype(np.int32)
+            log(f"regen: {min(b + batch, rows.shape[0])}/{rows.shape[0]} sequences, "
+                f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
+    return rows, gen, kinds, temps
 
 
-def build_regen(target: Target, corpus: Corpus, count: int, prompt_len: int, new_tokens: int,
-                batch: int = 128, holdout: int = 0, seed: int = 0, paths=None, log=None) -> dict:  # fmt: skip
+def build_regen(target: Target, corpus: Corpus, count: int, seq_len: int, spans: int,
+                new_tokens: int, batch: int = 64, holdout: int = 0, seed: int = 0, paths=None,
+                temperatures=(0.0,), first: int | None = None, log=None) -> dict:  # fmt: skip
     """Regenerated training sequences (and held-out ones for evaluation) as arrays to save."""
+    from .data import sample_windows
+
     rng = np.random.default_rng(seed)
     tok = TextTokenizer(target.path)
     texts = training_stubs(paths, seed)
     chats = [i % 2 == 1 for i in range(len(texts))]
     ids = tok.encode_batch([stub_prompt(t, c) for t, c in zip(texts, chats)])
     stubs = [{"ids": np.array(i, np.int32), "chat": c} for i, c in zip(ids, chats)]
-    prompts, kinds = make_prompts(corpus.train, count, prompt_len, rng, stubs, tok.eot_id)
-    train = continue_greedy(target, prompts, new_tokens, batch, log)
-    result = {"train": train, "kinds": kinds}
-    if holdout and corpus.holdout.size > prompt_len + 1:
-        held, _ = make_prompts(corpus.holdout, holdout, prompt_len, rng)
-        result["holdout"] = continue_greedy(target, held, new_tokens, batch, log)
-    result["info"] = np.array(json.dumps({"prompt_len": prompt_len, "new_tokens": new_tokens,
-                                          "target": str(target.path), "seed": seed,
-                                          "kinds": {k: int((kinds == i).sum()) for i, k in enumerate(KINDS)}}))  # fmt: skip
+    windows = sample_windows(corpus.train, count, seq_len, rng)
+    train, gen, kinds, temps = regenerate_rows(target, windows, spans, new_tokens, batch, rng,
+                                               temperatures, stubs, tok.eot_id, first, log)  # fmt: skip
+    result = {"train": train, "train_generated": gen, "kinds": kinds, "temperatures": temps}
+    if holdout and corpus.holdout.size > seq_len + 1:
+        held = sample_windows(corpus.holdout, holdout, seq_len, rng)
+        held, held_gen, _, _ = regenerate_rows(target, held, spans, new_tokens, batch, rng,
+                                               temperatures, None, tok.eot_id, first, log)  # fmt: skip
+        result.update(holdout=held, holdout_generated=held_gen)
+    result["info"] = np.array(json.dumps({
+        "seq_len": seq_len, "spans": spans, "new_tokens": new_tokens, "first": first,
+        "temperatures": list(temperatures), "target": str(target.path), "seed": seed,
+        "kinds": {k: int((kinds == i).sum()) for i, k in enumerate(KINDS)}}))  # fmt: skip
     return result
 
 
@@ -122,9 +210,22 @@ def save_regen(path: str | Path, arrays: dict) -> Path:
     return path
 
 
-def load_regen(path: str | Path) -> tuple[np.ndarray, np.ndarray | None, dict]:
-    """(train [N, T], holdout [M, T] or None, info) from `save_regen`'s file."""
+def load_regen(path: str | Path) -> Regen:
+    """`save_regen`'s file. Files written before spans existed (one continuation at the end of
+    each row) get their generated mask from `prompt_len`."""
     with np.load(path) as z:
         info = json.loads(str(z["info"])) if "info" in z else {}
+        train = z["train"].astype(np.int32)
         held = z["holdout"].astype(np.int32) if "holdout" in z else None
-        return z["train"].astype(np.int32), held, info
+
+        def generated(name: str, rows: np.ndarray | None) -> np.ndarray | None:
+            if rows is None:
+                return None
+            if name in z:
+                return z[name].astype(bool)
+            mask = np.zeros(rows.shape, bool)
+            mask[:, info.get("prompt_len", 0) :] = True
+            return mask
+
+        return Regen(train, generated("train_generated", train), held,
+                     generated("holdout_generated", held), info)  # fmt: skip
