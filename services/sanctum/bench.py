@@ -8,26 +8,28 @@ import statistics
 import time
 
 
-def _run_once(target, drafter, prompt_ids, max_tokens, settings):
+def _run_once(target, drafter, prompt_ids, max_tokens, settings, sampling=None):
+    """One generation; (tokens, round stats, decode seconds, time to first token). Decode time
+    runs from the first token to the last, so a long prompt's prefill stays out of tok/s."""
     from .engine.sampling import SamplingParams
     from .engine.speculative import generate
 
     t0 = time.perf_counter()
-    steps = list(
-        generate(
-            target,
-            prompt_ids,
-            drafter=drafter,
-            sampling=SamplingParams(),
-            max_tokens=max_tokens,
-            block_size=settings.block_size,
-            kv_mode=settings.kv_mode,
-            eos_ids=set(),
-        )  # fmt: skip
-    )
-    elapsed = time.perf_counter() - t0
+    steps, t_first = [], None
+    for step in generate(target, prompt_ids, drafter=drafter, sampling=sampling or SamplingParams(),
+                         max_tokens=max_tokens, block_size=settings.block_size,
+                         kv_mode=settings.kv_mode, eos_ids=set()):  # fmt: skip
+        steps.append(step)
+        if t_first is None:
+            t_first = time.perf_counter()
+    decode_s = time.perf_counter() - t_first
     tokens = [t for s in steps for t in s.tokens]
-    return tokens, [s.stats for s in steps if s.stats is not None], elapsed
+    return tokens, [s.stats for s in steps if s.stats is not None], decode_s, t_first - t0
+
+
+def _tau(rounds) -> float:
+    spec = [r for r in rounds if r.bs > 1]
+    return round(sum(r.accepted + 1 for r in spec) / max(1, len(spec)), 3)
 
 
 def speculative(args) -> dict:
@@ -42,12 +44,12 @@ def speculative(args) -> dict:
     _run_once(target, drafter, prompt_ids, 8, settings)
     plain_t, spec_t, spec_rounds, same = [], [], [], True
     for _ in range(args.repeats):
-        p_tokens, _, p_elapsed = _run_once(target, None, prompt_ids, args.max_tokens, settings)
-        s_tokens, rounds, s_elapsed = _run_once(
+        p_tokens, _, p_elapsed, _ = _run_once(target, None, prompt_ids, args.max_tokens, settings)
+        s_tokens, rounds, s_elapsed, _ = _run_once(
             target, drafter, prompt_ids, args.max_tokens, settings
         )
-        plain_t.append(len(p_tokens) / p_elapsed)
-        spec_t.append(len(s_tokens) / s_elapsed)
+        plain_t.append((len(p_tokens) - 1) / p_elapsed)
+        spec_t.append((len(s_tokens) - 1) / s_elapsed)
         spec_rounds.extend(r for r in rounds if r.bs > 1)
         same &= p_tokens == s_tokens
     n = max(1, len(spec_rounds))
@@ -125,6 +127,7 @@ def multiturn(args) -> list[dict]:
             "resumed_at": warm.resumed_at,
             "prefix_cached": warm.cached_tokens,
             "cache_hit_ratio": warm.cache_hit_ratio,
+            "tau": round(warm.tau, 3),
             "ttft_warm_s": warm.ttft_s,
             "ttft_cold_s": cold.ttft_s,
             "kv": warm.kv,
@@ -133,37 +136,86 @@ def multiturn(args) -> list[dict]:
     return rows
 
 
-def tau(args) -> dict:
-    """Greedy tau per block size on prompts from held-out stdlib files (never trained on), and
-    plain vs speculative tok/s over the same prompts; EOS ignored so every run is max_tokens."""
+def context_prompts(target, contexts: list[int], count: int, seed: int = 0) -> dict:
+    """Prompts per context length from held-out files (never trained on): `count` function stubs
+    (half raw code, half a chat turn; `heldout_prompts`), each after `context` tokens of other
+    held-out text and an end-of-text token, the way a conversation or an open file precedes a
+    request."""
+    import numpy as np
+
+    from .tokenizer import EOT
+    from .train.data import heldout_prompts, heldout_tokens
+
+    tokenizer = target.tokenizer
+    stubs = [tokenizer.encode(p, add_special_tokens=False) for p in heldout_prompts(count, seed)]
+    stream = heldout_tokens(target.path) if any(contexts) else None
+    eot = tokenizer.convert_tokens_to_ids(EOT)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for c in contexts:
+        rows = []
+        for stub in stubs:
+            if c:
+                s = int(rng.integers(0, stream.size - c))
+                rows.append([int(t) for t in stream[s : s + c]] + [eot] + stub)
+            else:
+                rows.append(stub)
+        out[c] = rows
+    return out
+
+
+def tau(args) -> list[dict]:
+    """Per context length: tau per block size (greedy) and at each sampling temperature
+    (seeded), and plain vs speculative decode tok/s over the same prompts (interleaved prompt by
+    prompt, prefill excluded); prompts from held-out files; EOS ignored, so every run is
+    max_tokens. Greedy speculative output is checked against plain greedy output."""
     from dataclasses import replace
 
     from .cli import _load_local
-    from .train.data import heldout_prompts
+    from .engine.sampling import SamplingParams
 
     settings, target, drafter = _load_local(args)
     if drafter is None:
         raise ValueError("bench tau needs a drafter")
-    prompts = [target.tokenizer.encode(p, add_special_tokens=False)
-               for p in heldout_prompts(args.num_prompts)]  # fmt: skip
-    _run_once(target, drafter, prompts[0], 8, settings)  # warm up
-    plain_tokens, plain_s = 0, 0.0
-    for ids in prompts:
-        tokens, _, elapsed = _run_once(target, None, ids, args.max_tokens, settings)
-        plain_tokens, plain_s = plain_tokens + len(tokens), plain_s + elapsed
-    result = {"model": settings.model, "drafter": settings.drafter, "prompts": len(prompts),
-              "max_tokens": args.max_tokens, "plain_tok_s": round(plain_tokens / plain_s, 2)}  # fmt: skip
-    for bs in [int(b) for b in args.block_sizes.split(",")]:
-        rounds, n_tokens, spent = [], 0, 0.0
-        for ids in prompts:
-            tokens, stats, elapsed = _run_once(target, drafter, ids, args.max_tokens,
-                                               replace(settings, block_size=bs))  # fmt: skip
-            rounds += [r for r in stats if r.bs > 1]
-            n_tokens, spent = n_tokens + len(tokens), spent + elapsed
-        result[f"tau_b{bs}"] = round(sum(r.accepted + 1 for r in rounds) / max(1, len(rounds)), 3)
-        result[f"speculative_tok_s_b{bs}"] = round(n_tokens / spent, 2)
-        result[f"ratio_b{bs}"] = round(n_tokens / spent / result["plain_tok_s"], 3)
-    return result
+    contexts = [int(c) for c in args.contexts.split(",")]
+    blocks = [int(b) for b in args.block_sizes.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",") if float(t) > 0]
+    prompts = context_prompts(target, contexts, args.num_prompts, args.seed)
+    _run_once(target, drafter, prompts[contexts[0]][0], 8, settings)  # warm up
+    rows = []
+    for c in contexts:
+        plain_n = plain_s = 0.0
+        spec = {b: [0.0, 0.0, []] for b in blocks}  # tokens, seconds, rounds
+        sampled = {t: [] for t in temps}
+        same = True
+        for i, ids in enumerate(prompts[c]):
+            p_tokens, _, p_s, _ = _run_once(target, None, ids, args.max_tokens, settings)
+            plain_n, plain_s = plain_n + len(p_tokens) - 1, plain_s + p_s
+            for b in blocks:
+                tokens, stats, s_s, _ = _run_once(target, drafter, ids, args.max_tokens,
+                                                  replace(settings, block_size=b))  # fmt: skip
+                spec[b][0] += len(tokens) - 1
+                spec[b][1] += s_s
+                spec[b][2] += stats
+                same &= tokens == p_tokens
+            for t in temps:
+                sp = SamplingParams(temperature=t, seed=args.seed * 1000 + i)
+                _, stats, _, _ = _run_once(target, drafter, ids, args.max_tokens,
+                                           replace(settings, block_size=blocks[0]), sp)  # fmt: skip
+                sampled[t] += stats
+        plain = plain_n / plain_s
+        row = {"context": c, "prompt_tokens": round(sum(map(len, prompts[c])) / len(prompts[c])),
+               "prompts": len(prompts[c]), "plain_tok_s": round(plain, 2)}  # fmt: skip
+        for b in blocks:
+            n, secs, stats = spec[b]
+            row[f"tau_b{b}"] = _tau(stats)
+            row[f"speculative_tok_s_b{b}"] = round(n / secs, 2)
+            row[f"ratio_b{b}"] = round(n / secs / plain, 3)
+        for t in temps:
+            row[f"tau_t{t:g}_b{blocks[0]}"] = _tau(sampled[t])
+        row["greedy_outputs_identical"] = same
+        rows.append(row)
+    return rows
 
 
 def reencode(args) -> dict:
@@ -224,11 +276,15 @@ def register(sub) -> None:
     from .cluster.isolation import add_parser as add_isolation
 
     add_isolation(bsub, _add_model_flags)
-    t = bsub.add_parser("tau", help="greedy tau at several block sizes on held-out prompts")
+    t = bsub.add_parser("tau", help="tau and speculative/plain tok/s per context length")
     _add_model_flags(t)
+    t.add_argument("--contexts", default="0,1024,2048,4096",
+                   help="tokens of held-out text before each prompt")  # fmt: skip
     t.add_argument("--block-sizes", default="8,16")
-    t.add_argument("--num-prompts", type=int, default=16)
+    t.add_argument("--temperatures", default="0.7,1.0", help="sampled tau (block: the first)")
+    t.add_argument("--num-prompts", type=int, default=8, help="prompts per context length")
     t.add_argument("--max-tokens", type=int, default=96)
+    t.add_argument("--seed", type=int, default=0)
     t.add_argument("--json", action="store_true")
     r = bsub.add_parser("reencode", help="the re-encoding watch's cost a round vs whole")
     r.add_argument("--model", help="checkpoint whose tokenizer to use (default: the embedded)")

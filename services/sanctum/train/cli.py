@@ -149,6 +149,21 @@ def cmd_regen(args) -> int:
     return 0
 
 
+def cmd_position_loss(args) -> int:
+    from .data import Corpus, heldout_tokens
+    from .target import position_loss
+
+    if args.data:
+        tokens = Corpus.load(args.data).holdout
+    else:
+        tokens = heldout_tokens(args.target, args.corpus or None, not args.no_chat, args.seed)
+    result = {"target": args.target, "seq_len": args.seq_len, "windows": args.windows,
+              "held_out_tokens": int(tokens.size),
+              "loss_by_position": position_loss(args.target, tokens, args.seq_len, args.windows)}  # fmt: skip
+    print(json.dumps(result))
+    return 0
+
+
 def cmd_plot(args) -> int:
     from .loop import plot_losses
 
@@ -298,6 +313,15 @@ def register(subparsers) -> None:
     p.add_argument("--drafter-only", action="store_true",
                    help="write only OUT/drafter, checked against --target as it is (e.g. a packed one)")  # fmt: skip
     p.set_defaults(func=cmd_pack)
+
+    p = sub.add_parser("position-loss", help="a target's held-out loss by position, long windows")
+    p.add_argument("--target", required=True)
+    p.add_argument("--data", help="a token file from `sanctum train corpus` (instead of --corpus)")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    _corpus_flags(p)
+    p.set_defaults(func=cmd_position_loss)
 
     p = sub.add_parser("plot", help="loss curves of runs (their train_log.json) as a PNG")
     p.add_argument("runs", nargs="+",

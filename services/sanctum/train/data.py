@@ -253,6 +253,14 @@ def build_corpus(
     return Corpus(train, holdout, [n for n, _ in held], meta)
 
 
+def heldout_tokens(tokenizer_dir: str | Path, paths: Iterable[str | Path] | None = None,
+                   chat: bool = True, seed: int = 0) -> np.ndarray:  # fmt: skip
+    """The held-out files' token stream alone (what `build_corpus` holds out), without
+    tokenizing the training files."""
+    held = [(n, p) for n, p in corpus_files(paths) if is_holdout(n)]
+    return _stream(TextTokenizer(tokenizer_dir), documents(held, chat, seed))
+
+
 def training_texts(paths: Iterable[str | Path] | None = None, chat: bool = True) -> Iterator[str]:
     """The texts a tokenizer is trained on: the training files only (never the held-out ones)."""
     files = [(n, p) for n, p in corpus_files(paths) if not is_holdout(n)] or corpus_files(paths)

@@ -138,6 +138,31 @@ def evaluate(
     return total / batches
 
 
+def position_loss(target_dir: str | Path, tokens: np.ndarray, seq_len: int = 8192,
+                  windows: int = 8, edges=(0, 256, 512, 1024, 2048, 4096, 8192, 16384)) -> dict:  # fmt: skip
+    """Held-out next-token loss by position: mean loss of the tokens at positions [a, b) of
+    `windows` fixed windows of `seq_len` tokens (the held-out files joined), per bucket. Shows
+    whether a model holds up past the length it was trained on."""
+    from ..engine.target import load_target
+
+    target = load_target(target_dir)
+    rng = np.random.default_rng(1234)
+    rows = sample_windows(tokens, windows, seq_len + 1, rng)
+    sums = np.zeros(seq_len)
+    with chunked_gdn():
+        for row in rows:
+            w = mx.array(row[None].astype(np.int32))
+            logits = target.model(w[:, :-1]).astype(mx.float32)
+            loss = nn.losses.cross_entropy(logits, w[:, 1:], reduction="none")[0]
+            sums += np.array(loss)
+    per_pos = sums / len(rows)
+    out = {}
+    for a, b in zip(edges[:-1], edges[1:]):
+        if a < seq_len:
+            out[f"{a}-{min(b, seq_len)}"] = round(float(per_pos[a : min(b, seq_len)].mean()), 4)
+    return out
+
+
 def train_target(
     corpus: Corpus,
     tokenizer_dir: str | Path,

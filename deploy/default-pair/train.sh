@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Rebuilds the embedded default pair (services/sanctum/assets/default/README.md says what it is):
+#   train.sh target     the long-context target, packed to 6 bits, then its regenerated data
+#   train.sh drafters   the DFlash 2 and DFlash drafters against the packed target, packed to 8 bits
+#   train.sh install    the packed pair into services/sanctum/assets/default
+# Run from the repository root, with `sanctum` importable (PYTHONPATH=services or the venv) and a
+# corpus from `sanctum train corpus` at $CORPUS. The defaults are the shipped run's (one NVIDIA H200,
+# MLX with its CUDA backend); the variables below scale it down for a smoke run on a CPU.
+set -euo pipefail
+W=${W:-runs/pair}                      # work folder
+CORPUS=${CORPUS:-runs/data/stdlib.npz}
+SEQ=${SEQ:-4096}                       # training window, tokens
+TARGET_S=${TARGET_S:-270}              # wall-clock budgets (s): each schedule is fitted to its budget
+D2_S=${D2_S:-230}
+D1_S=${D1_S:-160}
+STEPS=${STEPS:-20000}                  # upper bound on steps (the budgets decide)
+BATCH=${BATCH:-16}
+REGEN_COUNT=${REGEN_COUNT:-1024}
+REGEN_HOLDOUT=${REGEN_HOLDOUT:-64}
+SPANS=${SPANS:-4}
+SPAN_TOKENS=${SPAN_TOKENS:-128}
+WINDOW=${WINDOW:-2048}                 # the drafters' sliding window
+PY=${PY:-python3 -m sanctum.cli}
+TOK=services/sanctum/assets/default/target   # the shipped tokenizer (8,192 byte-level BPE)
+mkdir -p "$W"
+
+run() { echo "+ $*" >&2; "$@"; }
+
+target() {
+  run $PY train target --tokenizer "$TOK" --data "$CORPUS" --out "$W/target" \
+    --hidden 384 --layers 8 --intermediate 1024 --heads 6 --kv-heads 2 --head-dim 64 \
+    --gdn-key-heads 4 --gdn-value-heads 8 --gdn-head-dim 64 \
+    --steps "$STEPS" --time-budget "$TARGET_S" --batch "$BATCH" --seq-len "$SEQ" --lr 2e-3 \
+    --warmup 40 --eval-every 100 --log-every 10 --dtype float32
+  run $PY train pack --target "$W/target" --out "$W/packed" --target-bits 6
+  # the target's own continuations, as it is served (6-bit, dequantized): greedy and sampled
+  run $PY train regen --target "$W/packed/target" --data "$CORPUS" --out "$W/regen.npz" \
+    --count "$REGEN_COUNT" --holdout "$REGEN_HOLDOUT" --seq-len "$SEQ" --spans "$SPANS" \
+    --new-tokens "$SPAN_TOKENS" --temperatures 0,0,0.7,1 --batch 128 \
+  || MLX_USE_CUDA_GRAPHS=0 run $PY train regen --target "$W/packed/target" --data "$CORPUS" \
+    --out "$W/regen.npz" --count "$REGEN_COUNT" --holdout "$REGEN_HOLDOUT" --seq-len "$SEQ" \
+    --spans "$SPANS" --new-tokens "$SPAN_TOKENS" --temperatures 0,0,0.7,1 --batch 128
+}
+
+drafter() {  # drafter KIND OUT BUDGET
+  run $PY train drafter --target "$W/packed/target" --data "$CORPUS" --regen-data "$W/regen.npz" \
+    --out "$2" --kind "$1" --sliding-window "$WINDOW" --is-causal false --layers 3 \
+    --intermediate 1024 --head-dim 64 --kv-heads 2 --taps 1,3,5,7 --block-size 8 \
+    --block-sizes 8,16 --seq-len "$SEQ" --batch "$BATCH" --rows-per-seq 1024 --regen-frac 0.5 \
+    --steps "$STEPS" --time-budget "$3" --lr 1e-3 --warmup 40 --eval-every 100 --log-every 10 \
+    --distill 0.5 --hard-labels target --select tau --dtype float32 --target-dtype float32
+}
+
+drafters() {
+  drafter dflash2 "$W/drafter2" "$D2_S"
+  drafter dflash "$W/drafter1" "$D1_S"  # the comparison (shipped only where it measures better)
+  run $PY train pack --target "$W/packed/target" --drafter "$W/drafter2" --out "$W/packed" \
+    --drafter-only --drafter-bits 8
+  mkdir -p "$W/packed-v1"
+  run $PY train pack --target "$W/packed/target" --drafter "$W/drafter1" --out "$W/packed-v1" \
+    --drafter-only --drafter-bits 8
+}
+
+install() {
+  local A=services/sanctum/assets/default
+  rm -rf "$A/target" "$A/drafter" "$A/drafter-dflash"
+  cp -r "$W/packed/target" "$A/target" && cp -r "$W/packed/drafter" "$A/drafter"
+  cp -r "$W/packed-v1/drafter" "$A/drafter-dflash"
+}
+
+all() { target && drafters; }
+
+"${1:?usage: train.sh target|drafters|all|install}"
