@@ -10,12 +10,13 @@ set -euo pipefail
 W=${W:-runs/pair}                      # work folder
 CORPUS=${CORPUS:-runs/data/stdlib.npz}
 SEQ=${SEQ:-4096}                       # training window, tokens
-TARGET_S=${TARGET_S:-270}              # wall-clock budgets (s): each schedule is fitted to its budget
-D2_S=${D2_S:-230}
-D1_S=${D1_S:-160}
+TARGET_S=${TARGET_S:-220}              # wall-clock budgets (s): each schedule is fitted to its budget
+DRAFTER_S=${DRAFTER_S:-200}            # both drafters train at once (the GPU has room for two)
 STEPS=${STEPS:-20000}                  # upper bound on steps (the budgets decide)
+TARGET_BATCH=${TARGET_BATCH:-32}
 BATCH=${BATCH:-16}
-REGEN_COUNT=${REGEN_COUNT:-1024}
+REGEN_COUNT=${REGEN_COUNT:-512}
+REGEN_BATCH=${REGEN_BATCH:-16}         # MLX CUDA failed a launch ("invalid argument") at 128
 REGEN_HOLDOUT=${REGEN_HOLDOUT:-64}
 SPANS=${SPANS:-4}
 SPAN_TOKENS=${SPAN_TOKENS:-128}
@@ -30,16 +31,17 @@ target() {
   run $PY train target --tokenizer "$TOK" --data "$CORPUS" --out "$W/target" \
     --hidden 384 --layers 8 --intermediate 1024 --heads 6 --kv-heads 2 --head-dim 64 \
     --gdn-key-heads 4 --gdn-value-heads 8 --gdn-head-dim 64 \
-    --steps "$STEPS" --time-budget "$TARGET_S" --batch "$BATCH" --seq-len "$SEQ" --lr 2e-3 \
-    --warmup 40 --eval-every 100 --log-every 10 --dtype float32
+    --steps "$STEPS" --time-budget "$TARGET_S" --batch "$TARGET_BATCH" --seq-len "$SEQ" --lr 2e-3 \
+    --warmup 40 --eval-every 50 --log-every 10 --dtype float32
   run $PY train pack --target "$W/target" --out "$W/packed" --target-bits 6
   # the target's own continuations, as it is served (6-bit, dequantized): greedy and sampled
+  regen || (export MLX_USE_CUDA_GRAPHS=0; regen)
+}
+
+regen() {
   run $PY train regen --target "$W/packed/target" --data "$CORPUS" --out "$W/regen.npz" \
     --count "$REGEN_COUNT" --holdout "$REGEN_HOLDOUT" --seq-len "$SEQ" --spans "$SPANS" \
-    --new-tokens "$SPAN_TOKENS" --temperatures 0,0,0.7,1 --batch 128 \
-  || MLX_USE_CUDA_GRAPHS=0 run $PY train regen --target "$W/packed/target" --data "$CORPUS" \
-    --out "$W/regen.npz" --count "$REGEN_COUNT" --holdout "$REGEN_HOLDOUT" --seq-len "$SEQ" \
-    --spans "$SPANS" --new-tokens "$SPAN_TOKENS" --temperatures 0,0,0.7,1 --batch 128
+    --new-tokens "$SPAN_TOKENS" --temperatures 0,0,0.7,1 --batch "$REGEN_BATCH"
 }
 
 drafter() {  # drafter KIND OUT BUDGET
@@ -52,8 +54,12 @@ drafter() {  # drafter KIND OUT BUDGET
 }
 
 drafters() {
-  drafter dflash2 "$W/drafter2" "$D2_S"
-  drafter dflash "$W/drafter1" "$D1_S"  # the comparison (shipped only where it measures better)
+  drafter dflash2 "$W/drafter2" "$DRAFTER_S" > "$W/drafter2.log" 2>&1 &
+  local v2=$!
+  drafter dflash "$W/drafter1" "$DRAFTER_S" > "$W/drafter1.log" 2>&1 &  # the comparison
+  local v1=$!
+  wait $v2 && wait $v1 || { tail -20 "$W"/drafter*.log; return 1; }
+  grep -hv '"step"' "$W/drafter2.log" "$W/drafter1.log"
   run $PY train pack --target "$W/packed/target" --drafter "$W/drafter2" --out "$W/packed" \
     --drafter-only --drafter-bits 8
   mkdir -p "$W/packed-v1"

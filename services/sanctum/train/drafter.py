@@ -12,6 +12,7 @@ what it attends to, as the published DFlash 2 drafters do.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -323,6 +324,8 @@ def train_drafter(
             loss, metrics, norm = step_fn(tokens, taps, t_logits, anchors, position_weights(block))
             mx.eval(loss, metrics, norm, trainee.state, opt.state)
             step += 1
+            if not math.isfinite(loss.item()):  # fail fast: a budgeted run has no time to waste
+                raise FloatingPointError(f"drafter loss is {loss.item()} at step {step}")
             now = time.perf_counter()
             if step == 2 * len(s.block_sizes) + 1:
                 timed_from = now

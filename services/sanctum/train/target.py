@@ -198,6 +198,8 @@ def train_target(
             loss, _, norm = step_fn(w[:, :-1], w[:, 1:])
             mx.eval(loss, norm, model.state, opt.state)
             step += 1
+            if not math.isfinite(loss.item()):  # fail fast: a budgeted run has no time to waste
+                raise FloatingPointError(f"target loss is {loss.item()} at step {step}")
             now = time.perf_counter()
             if step == 5:
                 timed_from = now  # after compilation and warm-up
