@@ -376,7 +376,7 @@ def evaluate(trainee: Trainee, target: Target, corpus: Corpus, s: DrafterTrainin
     rows = min(s.batch, 16)
     sets = {"holdout": (sample_windows(tokens_np, rows, s.seq_len, rng), None)}
     if regen is not None and regen.holdout is not None:
-        n = min(32, regen.holdout.shape[0])
+        n = min(2 * rows, regen.holdout.shape[0])
         sets["regen"] = crop(regen.holdout, regen.holdout_generated, n, s.seq_len, rng,
                              pick=np.arange(n))  # fmt: skip
     out = {}
