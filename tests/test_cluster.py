@@ -381,6 +381,61 @@ def test_long_prompt_prefills_in_slices_between_rounds(pair, engine):
         backend.close()
 
 
+def test_no_request_stalls_the_others(pair, engine):
+    """Issue 12, head-of-line stalls: while a stream decodes, a 15 MB prompt, an 800-message
+    chat and 100 stop strings of 10 KB arrive. The big prompt and the stop strings are refused
+    at once (by size, before any tokenization), the chat is prepared off the model's thread and
+    prefilled in slices, and the stream's worst gap between chunks stays well under a second (before: the
+    15 MB prompt was tokenized on the model's thread, a stall of many seconds)."""
+    from sanctum.cluster.backend import InlineBackend, serve_settings
+    from sanctum.requests import GenerateRequest, InvalidRequest
+
+    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=4,
+                                           round_delay_ms=5, env={}))  # fmt: skip
+    try:
+        backend.ready(60)
+        sched = backend.scheduler
+        normal = sched.submit(GenerateRequest(prompt=PROMPTS[3], max_tokens=3000, request_id="n"))
+        arrivals, stream = [], iter(normal)
+        for _ in range(3):
+            next(stream)
+        done = threading.Event()
+
+        def read_normal():
+            for _ in stream:
+                arrivals.append(time.perf_counter())
+                if done.is_set():
+                    sched.cancel("n")
+
+        reader = threading.Thread(target=read_normal)
+        reader.start()
+        t0 = time.perf_counter()
+        huge = sched.submit(GenerateRequest(prompt="x = 1\n" * ((15 << 20) // 6), max_tokens=4))
+        with pytest.raises(InvalidRequest) as err:
+            list(huge)
+        assert err.value.field == "prompt" and "characters" in str(err.value)
+        assert time.perf_counter() - t0 < 1.0  # refused by size, not after tokenizing
+        stops = sched.submit(GenerateRequest(prompt="hi", stop=("s" * 10_000,) * 100))
+        with pytest.raises(InvalidRequest) as err:
+            list(stops)
+        assert err.value.field == "stop"
+        chat = [{"role": ("user", "assistant")[i % 2], "content": f"turn {i}"}
+                for i in range(800)]  # fmt: skip
+        long_chat = sched.submit(
+            GenerateRequest(messages=tuple(chat), max_tokens=4, request_id="c")
+        )
+        assert wait_for(lambda: sched.stats()["active"] == 2, timeout=10)  # prepared: prefilling
+        time.sleep(1.5)  # a few of its prefill slices, between the stream's rounds
+        sched.cancel("c")
+        assert list(long_chat) == []  # ended by the cancel, no error
+        done.set()
+        reader.join(60)
+        gaps = np.diff([t0, *arrivals])
+        assert len(arrivals) > 5 and gaps.max() < 1.0, gaps.max()
+    finally:
+        backend.close()
+
+
 # ---- the isolation bench ---------------------------------------------------------------------------
 
 
