@@ -262,6 +262,34 @@ def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
         backend.close()
 
 
+def test_queue_full_message_counts_what_stats_count(pair):
+    """Issue 12: RESOURCE_EXHAUSTED said "0 requests decoding and 71 waiting" while 8 decoded: it
+    left out requests being opened or prefilled. Now it gives the figures stats gives."""
+    from sanctum.cluster.backend import InlineBackend, serve_settings
+    from sanctum.cluster.scheduler import QueueFull
+    from sanctum.requests import GenerateRequest
+
+    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
+                                           max_queue=1, round_delay_ms=20, env={}))  # fmt: skip
+    try:
+        backend.ready(60)
+        sched = backend.scheduler
+        sched.prefill_slice = 8  # the long prompt below stays prefilling for a while
+        decoding = sched.submit(GenerateRequest(prompt=PROMPTS[3], max_tokens=3000))
+        next(iter(decoding))
+        long_prompt = "".join(f"value_{i} = compute({i})\n" for i in range(30))
+        prefilling = sched.submit(GenerateRequest(prompt=long_prompt, max_tokens=3000))
+        waiting = sched.submit(GenerateRequest(prompt=PROMPTS[1], max_tokens=4))
+        assert wait_for(lambda: (sched.stats()["active"], sched.stats()["waiting"]) == (2, 1), 10)
+        with pytest.raises(QueueFull) as err:
+            sched.submit(GenerateRequest(prompt=PROMPTS[2], max_tokens=4))
+        assert "2 requests in progress and 1 waiting" in str(err.value), str(err.value)
+        for ticket in (decoding, prefilling, waiting):
+            sched.cancel(ticket.request_id)
+    finally:
+        backend.close()
+
+
 def test_event_socket_streams_requests_and_cancels_orphans(pair, engine):
     """The verifier's event socket (same-host front ends) over the real scheduler: requests
     multiplexed on one connection give the engine's output; a bad request is an error event; a
@@ -492,11 +520,11 @@ ray = pytest.importorskip("ray")
 def cluster(pair, tmp_path_factory):
     from sanctum.api.client import Client
     from sanctum.api.server import Server
-    from sanctum.cluster.actors import LOCAL_RAY_SYSTEM_CONFIG, start_cluster
+    from sanctum.cluster.actors import start_cluster
     from sanctum.cluster.backend import serve_settings
+    from sanctum.cluster.localray import init_local_ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             namespace=f"test-cluster-{os.getpid()}", _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # fmt: skip
+    init_local_ray(num_cpus=2, log_to_driver=False, namespace=f"test-cluster-{os.getpid()}")
     settings = serve_settings(
         pair[0], pair[1], cache_dir=str(tmp_path_factory.mktemp("store")), env={}
     )
@@ -620,6 +648,45 @@ def test_store_dies_then_reloads_its_entries(cluster, engine):
     resumed = list(client.generate(prompt, max_tokens=12, timeout=60))
     assert _tokens(resumed) == _tokens(first) == reference(prompt, 12)
     assert resumed[-1].usage.cached_tokens > 0
+
+
+@pytest.mark.slow
+def test_health_follows_the_verifier(cluster, engine):
+    """Issue 12, health lies: killed with no request in flight, the verifier used to leave health
+    SERVING through its whole restart while requests got UNAVAILABLE. Now Check and Watch say
+    NOT_SERVING from the moment it dies (its event socket hangs up) until it serves again;
+    requests meanwhile get UNAVAILABLE at once, and once SERVING they succeed."""
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    backend, client = cluster
+    _, _, reference = engine
+    watch = client.health_stub.Watch(health_pb2.HealthCheckRequest(), timeout=180)
+    watched = []
+
+    def read_watch():
+        with contextlib.suppress(grpc.RpcError):
+            for m in watch:
+                watched.append(health_pb2.HealthCheckResponse.ServingStatus.Name(m.status))
+
+    reader = threading.Thread(target=read_watch)
+    reader.start()
+    assert wait_for(lambda: watched == ["SERVING"], timeout=10)
+    os.kill(backend.pids()["verifier"], signal.SIGKILL)
+    killed = time.monotonic()
+    assert wait_for(lambda: client.health() == "NOT_SERVING", timeout=5, interval=0.02)
+    assert time.monotonic() - killed < 1.0
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.generate(PROMPTS[0], max_tokens=4, timeout=60))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 2.0
+    assert wait_for(lambda: client.health() == "SERVING", timeout=120, interval=0.05)
+    assert _tokens(client.generate(PROMPTS[0], max_tokens=8, timeout=60)) == reference(
+        PROMPTS[0], 8
+    )  # SERVING means served
+    assert wait_for(lambda: watched == ["SERVING", "NOT_SERVING", "SERVING"], timeout=5), watched
+    watch.cancel()
+    reader.join(10)
 
 
 @pytest.mark.slow
