@@ -409,6 +409,22 @@ def test_long_prompt_prefills_in_slices_between_rounds(pair, engine):
         backend.close()
 
 
+def test_prefill_slices_shrink_to_fit_their_time():
+    """A slice is PREFILL_SLICE tokens, or fewer when the request's last slice says they would
+    take longer than prefill_slice_s (attention makes tokens dearer as the context grows)."""
+    from sanctum.cluster.scheduler import Scheduler
+
+    sched = Scheduler(lambda: None, prefill_slice=512)
+    sched.prefill_slice_s = 0.25
+    assert sched._slice("new") == 512  # nothing measured yet
+    for cost, tokens in ((1e-6, 512), (1e-3, 250), (0.1, 16)):
+        sched._token_cost["r"] = cost
+        assert sched._slice("r") == tokens
+    sched._last_token_cost = 1e-3  # a first slice goes by the last one measured
+    assert sched._slice("other") == 250
+    sched.shutdown()
+
+
 def test_no_request_stalls_the_others(pair, engine):
     """Issue 12, head-of-line stalls: while a stream decodes, a 15 MB prompt, an 800-message
     chat and 100 stop strings of 10 KB arrive. The big prompt and the stop strings are refused

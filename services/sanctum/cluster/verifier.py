@@ -109,6 +109,11 @@ class Active:
     def finished(self) -> bool:
         return self.seq.finished is not None
 
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens still to prefill."""
+        return len(self.prompt_ids) - len(self.seq.cached_tokens)
+
 
 @dataclass
 class Metrics:
