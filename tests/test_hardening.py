@@ -298,3 +298,32 @@ def test_concurrent_streams_keep_their_own_tokens(serve):
         for t in threads:
             t.join(90)
     assert together == alone
+
+
+@pytest.mark.slow
+def test_abuse_bench_runs_end_to_end(make_pair):
+    """`sanctum bench abuse` (small: its own inline server, 1 MB prompt, 50 messages, 5 idle
+    streams): every abuser gets its refusal and the normal stream keeps streaming."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pair = make_pair("hybrid", "dflash")
+    env = dict(os.environ, SANCTUM_NO_OPENBLAS="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "sanctum.cli", "bench", "abuse", "--inline", "--model", str(pair[0]),
+         "--drafter", str(pair[1]), "--prompt-mb", "1", "--chat-messages", "50",
+         "--idle-streams", "5", "--stream-idle-s", "1", "--json"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    f = json.loads(out.stdout)
+    assert f["normal_error"] is None and f["normal_chunks"] > 10 and f["normal_worst_gap_ms"] > 0
+    assert f["health_checks"] > 0 and f["health_not_serving"] == 0
+    assert f["prompt_1mb"].startswith("INVALID_ARGUMENT")
+    assert f["stop_strings_100x10kb"].startswith("INVALID_ARGUMENT")
+    assert f["malformed_protobuf"].startswith("INVALID_ARGUMENT")
+    assert f["chat_50_messages"].startswith("OK")
+    assert f["idle_streams"].startswith("5 DEADLINE_EXCEEDED")
+    assert "closed by the server" in f["garbage_bytes"] and "closed" in f["garbage_h2_frames"]

@@ -224,6 +224,9 @@ def register(sub) -> None:
     from .cluster.isolation import add_parser as add_isolation
 
     add_isolation(bsub, _add_model_flags)
+    from .api.abuse import add_parser as add_abuse
+
+    add_abuse(bsub, _add_model_flags)
     t = bsub.add_parser("tau", help="greedy tau at several block sizes on held-out prompts")
     _add_model_flags(t)
     t.add_argument("--block-sizes", default="8,16")
@@ -245,8 +248,15 @@ def isolation(args) -> dict:
     return run(args)
 
 
+def abuse(args) -> dict:
+    """A normal stream's worst gap while abusive clients hammer the server (api/abuse.py)."""
+    from .api.abuse import run
+
+    return run(args)
+
+
 BENCHES = {"speculative": speculative, "multiturn": multiturn, "isolation": isolation, "tau": tau,
-           "reencode": reencode}  # fmt: skip
+           "reencode": reencode, "abuse": abuse}  # fmt: skip
 
 
 def main(args) -> int:
