@@ -122,6 +122,36 @@ def test_idle_request_streams_are_closed_and_generation_is_bounded(serve):
         busy.cancel()
 
 
+def test_a_client_that_stops_reading_loses_its_stream(serve):
+    """A slow client is bounded too: one that takes no response for slow_client_s loses the
+    stream and its request's slot (flow control would otherwise hold it there)."""
+    from sanctum.config import ConnectionLimits
+
+    srv = serve(max_streams=4, limits=ConnectionLimits(slow_client_s=1.0))
+    small_window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    with (
+        Client(srv.address, options=OWN_CONNECTION + small_window) as slow,
+        Client(srv.address) as c,
+    ):
+        call = slow.stream(make_request("The quick brown fox", max_tokens=3000))  # ~850 tokens
+        next(call)  # then reads nothing
+        assert _eventually(lambda: c.stats().active == 1)
+        assert _eventually(lambda: c.stats().active == 0, timeout=20)  # freed by the server
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "reads too slowly" in err.value.details()
+
+
+def _eventually(predicate, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
 # ---- 3. access control ------------------------------------------------------------------------------
 
 

@@ -5,7 +5,8 @@ SANCTUM_MLX_DFLASH2_BITS, SANCTUM_MLX_SSM_LADDER) plus SANCTUM_MODEL, SANCTUM_KV
 SANCTUM_PORT, SANCTUM_CACHE_BYTES, SANCTUM_CACHE_DIR and SANCTUM_HOME; the front end's access
 (SANCTUM_AUTH_TOKEN_FILE, SANCTUM_TLS_CERT, SANCTUM_TLS_KEY, SANCTUM_TLS_CLIENT_CA) and connection
 limits (SANCTUM_KEEPALIVE_S, SANCTUM_CONNECTION_IDLE_S, SANCTUM_CONNECTION_AGE_S,
-SANCTUM_STREAM_IDLE_S, SANCTUM_STREAMS_PER_CONNECTION, SANCTUM_MAX_CONNECTIONS).
+SANCTUM_STREAM_IDLE_S, SANCTUM_SLOW_CLIENT_S, SANCTUM_STREAMS_PER_CONNECTION,
+SANCTUM_MAX_CONNECTIONS).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class ConnectionLimits:
     connection_age_s: float = 1800.0  # then asked to reconnect (GOAWAY) ...
     connection_age_grace_s: float = 600.0  # ... and closed this long after, RPCs or not
     stream_idle_s: float = 30.0  # a request stream (reflection) without a message: closed
+    slow_client_s: float = 30.0  # a response stream whose client takes nothing: closed
     streams_per_connection: int = 100  # HTTP/2 MAX_CONCURRENT_STREAMS: the bound per client
     max_connections: int = 1000
 
@@ -115,6 +117,7 @@ def connection_limits(env=os.environ) -> ConnectionLimits:
         connection_age_s=_env_float(env, "SANCTUM_CONNECTION_AGE_S", d.connection_age_s),
         connection_age_grace_s=d.connection_age_grace_s,
         stream_idle_s=_env_float(env, "SANCTUM_STREAM_IDLE_S", d.stream_idle_s),
+        slow_client_s=_env_float(env, "SANCTUM_SLOW_CLIENT_S", d.slow_client_s),
         streams_per_connection=_env_int(env, "SANCTUM_STREAMS_PER_CONNECTION",
                                         d.streams_per_connection),
         max_connections=_env_int(env, "SANCTUM_MAX_CONNECTIONS", d.max_connections),

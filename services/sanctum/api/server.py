@@ -6,7 +6,8 @@ an open stream costs a coroutine, not a thread, so health and reflection always 
 many streams sit idle. The concurrency bound (`max_streams`) applies to generation (Generate,
 Complete) only: past it RESOURCE_EXHAUSTED, as when the backend's queue is full. Connections are
 bounded by grpcio's own options (keepalive, idle and age limits, streams per connection, number
-of connections: `ConnectionLimits`), and api/guard.py closes idle request streams, checks the
+of connections: `ConnectionLimits`); a client that stops taking its responses loses its stream
+after `slow_client_s`, and api/guard.py closes idle request streams, checks the
 bearer token and answers malformed messages. Blocking backend work (submitting, waiting for the
 next chunk, stats, cache administration) runs on thread pools: generation's as large as its
 bound, administration's small and bounded too.
@@ -20,6 +21,7 @@ which stops it before its next round and frees its sequence. Message sizes are b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -60,10 +62,11 @@ def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 class InferenceServicer(pb_grpc.InferenceServicer):
     """sanctum.v1.Inference on the event loop; the backend's blocking calls on thread pools."""
 
-    def __init__(self, backend, max_streams: int):
+    def __init__(self, backend, max_streams: int, slow_client_s: float = 30.0):
         self.backend = backend
         self.draining = False
         self.max_streams = max_streams
+        self.slow_client_s = slow_client_s
         self._inflight = 0  # generation requests
         self._cv = threading.Condition()
         # one thread per generation request, blocked on its next chunk (+ a few for cancelled
@@ -165,25 +168,37 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     # ---- RPCs --------------------------------------------------------------------------------
     async def Generate(self, request, context):
         """Stream the completion, one message per round."""
-        index = 0
-        async for chunk in self._chunks(request, context, "streaming"):
-            yield chunk_to_proto(chunk, index)
-            index += 1
+        async with contextlib.aclosing(self._chunks(request, context, "streaming")) as chunks:
+            index = 0
+            async for chunk in chunks:
+                await self._write(context, chunk_to_proto(chunk, index))
+                index += 1
+
+    async def _write(self, context, message) -> None:
+        """Send one response; a client that takes none for `slow_client_s` loses the stream
+        (and the request its slot), instead of holding it for as long as it likes."""
+        try:
+            await asyncio.wait_for(context.write(message), self.slow_client_s)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no response taken for {self.slow_client_s:g} s: the client "
+                                "reads too slowly; stream closed")  # fmt: skip
 
     async def Complete(self, request, context):
         """The whole completion in one message."""
         out, index = pb.CompleteResponse(), 0
-        async for chunk in self._chunks(request, context, "sync"):
-            m = chunk_to_proto(chunk, index)
-            out.text += m.text
-            out.token_ids.extend(m.token_ids)
-            if index:
-                out.rounds.add(**round_of(m))
-            if m.finish_reason:
-                out.finish_reason = m.finish_reason
-            if m.HasField("usage"):
-                out.usage.CopyFrom(m.usage)
-            index += 1
+        async with contextlib.aclosing(self._chunks(request, context, "sync")) as chunks:
+            async for chunk in chunks:
+                m = chunk_to_proto(chunk, index)
+                out.text += m.text
+                out.token_ids.extend(m.token_ids)
+                if index:
+                    out.rounds.add(**round_of(m))
+                if m.finish_reason:
+                    out.finish_reason = m.finish_reason
+                if m.HasField("usage"):
+                    out.usage.CopyFrom(m.usage)
+                index += 1
         return out
 
     async def GetStats(self, request, context):
@@ -211,16 +226,15 @@ class Server:
                  access: Access | None = None, limits: ConnectionLimits | None = None):  # fmt: skip
         self.access = access or Access()
         check_exposure(host, self.access)
-        self.servicer = InferenceServicer(backend, max_streams)
+        limits = limits or ConnectionLimits()
+        self.servicer = InferenceServicer(backend, max_streams, limits.slow_client_s)
         self._serving = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sanctum-grpc",
                                         daemon=True)  # fmt: skip
         self._thread.start()
         try:
-            self.port = self._call(
-                self._start(host, port, max_message_bytes, limits or ConnectionLimits())
-            )
+            self.port = self._call(self._start(host, port, max_message_bytes, limits))
         except BaseException:
             self._stop_loop()
             raise
