@@ -5,7 +5,9 @@ Prometheus exporters (dashboard agent, dashboard, autoscaler) to the node's addr
 interfaces. On macOS and Windows that address is 127.0.0.1 and everything stays on loopback; on
 Linux it is the host's outward address, unless Ray is told that this cluster is one machine:
 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, Ray's own switch, read when `ray` is imported and inherited by
-every process Ray starts. The dashboard stays off. A cluster spanning hosts is started with
+every process Ray starts. The dashboard stays off and so does metrics collection (the dashboard
+agent's exporter); the autoscaler's and the dashboard's exporters listen on loopback. A cluster
+spanning hosts is started with
 `ray start` instead (deploy/README.md says what it needs); `sanctum serve` then joins it through
 RAY_ADDRESS and this module is not used.
 """
@@ -24,7 +26,8 @@ ONE_MACHINE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # processes would lose every contest for a core to the front end and Ray's own daemons (measured:
 # the verifier's forward ~10% slower on a 2-core machine). A local cluster we start runs them at
 # 0; on a cluster started elsewhere each role tries to lower its own (cluster/actors.py).
-LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+# Ray's metrics collection is off: nothing here reads it, and it is one exporter fewer.
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "enable_metrics_collection": False}
 
 
 def init_local_ray(**kwargs) -> None:
