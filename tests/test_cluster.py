@@ -724,3 +724,30 @@ def test_verifier_dies_in_flight_then_serves_again(cluster, engine):
     assert _tokens(client.generate(PROMPTS[3], max_tokens=16, timeout=120)) == reference(
         PROMPTS[3], 16
     )
+
+
+def test_socket_directories_are_removed_or_swept():
+    """Issue 12: /tmp/snc-* socket directories were left behind after a kill and after a clean
+    drain. A listener removes its own at close; a killed process's is swept by the next start,
+    and a live process's is left alone."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from sanctum.cluster.sockets import UnixListener, sweep_stale_socket_dirs
+
+    own = UnixListener(lambda conn: None, "test")
+    own_dir = os.path.dirname(own.address)
+    assert os.path.basename(own_dir).startswith(f"snc-{os.getpid()}-")
+    assert os.stat(own_dir).st_mode & 0o777 == 0o700
+    code = ("import sys, time; from sanctum.cluster.sockets import UnixListener; "
+            "print(UnixListener(lambda c: None, 'x').address, flush=True); time.sleep(60)")  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    killed_dir = os.path.dirname(child.stdout.readline().strip())
+    child.kill()
+    child.wait()
+    assert os.path.isdir(killed_dir)  # SIGKILL: nothing ran its cleanup
+    assert sweep_stale_socket_dirs(tempfile.gettempdir()) >= 1
+    assert not os.path.exists(killed_dir) and os.path.isdir(own_dir)  # the live one stays
+    own.close()
+    assert not os.path.exists(own_dir)

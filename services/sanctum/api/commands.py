@@ -89,7 +89,7 @@ def serve(settings, net, inline: bool = False, drain_timeout: float = 30.0) -> i
     before anything is loaded."""
     import signal
 
-    from ..cluster.transport import sweep_stale_socket_dirs
+    from ..cluster.sockets import sweep_stale_socket_dirs
     from .guard import Access, check_exposure
     from .server import Server
 

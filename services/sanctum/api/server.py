@@ -129,10 +129,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             deadline = (
                 time.time() + remaining if remaining is not None and remaining < 1e8 else None
             )
+            opening = loop.run_in_executor(self._generation, self._open, request, mode, deadline)
             try:
-                rid, chunks = await loop.run_in_executor(
-                    self._generation, self._open, request, mode, deadline
-                )
+                rid, chunks = await asyncio.shield(opening)
+            except asyncio.CancelledError:  # the client left while the request was submitted:
+                opening.add_done_callback(self._cancel_opened)  # cancel it once it is there
+                raise
             except Exception as exc:
                 await context.abort(*_status(exc))
             ended = False
@@ -149,6 +151,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 yield chunk
         finally:
             self._leave()
+
+    def _cancel_opened(self, opening: asyncio.Future) -> None:
+        if not opening.cancelled() and opening.exception() is None:
+            self.backend.cancel(opening.result()[0])
 
     async def _admin_call(self, context, fn, *args):
         """`fn(*args)` on an administration thread; its error as the RPC's status."""
@@ -285,6 +291,8 @@ class Server:
     def _set_health(self, serving: bool, wait: bool = False) -> None:
         """Report SERVING or NOT_SERVING (any thread; the latest call wins)."""
         self._serving = serving
+        if not self._thread.is_alive():  # stopped: nobody to tell
+            return
         if threading.current_thread() is self._thread:
             self._loop.create_task(self._apply_health())
             return

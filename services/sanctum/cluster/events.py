@@ -38,7 +38,8 @@ from ..api.convert import chunk_to_proto
 from ..api.gen import roles_pb2 as roles
 from ..requests import InvalidRequest
 from .scheduler import End, InternalError, QueueFull, Unavailable
-from .transport import ChannelBroken, UnixListener
+from .sockets import UnixListener
+from .transport import ChannelBroken
 
 log = logging.getLogger("sanctum.events")
 
