@@ -347,6 +347,8 @@ class ClusterBackend:
         verifier dies: ask it for its pid every second instead."""
         while not self._closing:
             time.sleep(every_s)
+            if not ray.is_initialized():  # shut down (a call now would start a new Ray)
+                return
             if self.events_path != "ray" or self._restarting:
                 continue
             try:
@@ -435,15 +437,16 @@ class ClusterBackend:
 
         def watch():
             try:
-                while not self._closing:
+                while not self._closing and ray.is_initialized():  # (else Ray would auto-init)
                     try:
                         self.ready(timeout=60)
-                        break
                     except Exception:
                         time.sleep(0.5)
-                log.info("verifier: back after a restart")
-                if self.on_health:
-                    self.on_health(True)
+                        continue
+                    log.info("verifier: back after a restart")
+                    if self.on_health:
+                        self.on_health(True)
+                    return
             finally:
                 self._watching.release()
 
