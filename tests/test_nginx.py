@@ -56,7 +56,7 @@ def upstream(make_pair, tmp_path_factory):
     pair = make_pair("hybrid", "dflash")
     backend = InlineBackend(serve_settings(str(pair[0]), str(pair[1]), cache_dir="none",
                                            max_active=2, round_delay_ms=10, env={}))  # fmt: skip
-    srv = Server(backend, "127.0.0.1", 0, access=Access(token=TOKEN))
+    srv = Server(backend, "127.0.0.1", 0, max_streams=8, access=Access(token=TOKEN))
     srv.ready(120)
     yield srv
     srv.stop(0)
@@ -147,6 +147,31 @@ def test_deadline_and_cancel_through_the_proxy_free_the_sequence(client):
     call.cancel()
     assert _eventually(lambda: client.stats().active == 0)
     assert client.stats().cancelled >= before + 1
+
+
+def test_idle_streams_through_the_proxy_lock_no_one_out(client, proxy):
+    """Issue 12 said the lock-out worked through nginx too: idle reflection streams opened
+    through it (24, three times the server's bound of 8) leave health and generation alone."""
+    import queue
+
+    from grpc_reflection.v1alpha import reflection_pb2_grpc
+
+    held = []
+    for _ in range(24):
+        channel = grpc.insecure_channel(proxy, options=[("grpc.use_local_subchannel_pool", 1)])
+        requests: queue.Queue = queue.Queue()
+        call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter(requests.get, None)
+        )
+        held.append((channel, call))
+    try:
+        time.sleep(0.5)
+        assert client.health() == "SERVING"
+        assert len(list(client.generate("def f(x):", max_tokens=4, timeout=30))) > 1
+    finally:
+        for channel, call in held:
+            call.cancel()
+            channel.close()
 
 
 def test_large_request_reaches_the_server(client):

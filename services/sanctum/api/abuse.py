@@ -100,7 +100,7 @@ def abuse(address: str, args) -> dict:
 
     own = [("grpc.use_local_subchannel_pool", 1)]  # grpcio would share one connection
     normal = Client(address, options=own)
-    gaps, first_chunk, normal_error = [], [], []
+    gaps, gap_ends, first_chunk, normal_error = [], [], [], []
     started, stop = threading.Event(), threading.Event()
 
     def normal_stream():
@@ -114,6 +114,7 @@ def abuse(address: str, args) -> dict:
                         first_chunk.append(now - t0)
                     else:
                         gaps.append(now - last)
+                        gap_ends.append(now)
                     last = now
                     if i == 3:
                         started.set()
@@ -146,6 +147,14 @@ def abuse(address: str, args) -> dict:
         stop.set()
         raise RuntimeError(f"the normal stream did not start: {normal_error}")
     results: dict = {}
+    t_abuse = time.perf_counter()
+    chat_first: list[float] = []  # when the chat's first chunk came (its prefill's end)
+
+    def chat_stream(c):
+        for i, _ in enumerate(c.stream(_request(None, 8, messages=chat), timeout=300)):
+            if i == 0:
+                chat_first.append(time.perf_counter() - t_abuse)
+
     chars = int(args.prompt_mb * (1 << 20))
     chat = [{"role": ("user", "assistant")[i % 2], "content": f"message {i}: " + "w" * 24}
             for i in range(args.chat_messages)]  # fmt: skip
@@ -153,9 +162,7 @@ def abuse(address: str, args) -> dict:
         f"prompt_{args.prompt_mb:g}mb": lambda c: _outcome(
             lambda: list(c.stream(_request("x" * chars, 4), timeout=120))
         ),
-        f"chat_{args.chat_messages}_messages": lambda c: _outcome(
-            lambda: list(c.stream(_request(None, 8, messages=chat), timeout=300))
-        ),
+        f"chat_{args.chat_messages}_messages": lambda c: _outcome(lambda: chat_stream(c)),
         "stop_strings_100x10kb": lambda c: _outcome(
             lambda: list(c.stream(_request("hi", 4, stop=["s" * 10_000] * 100), timeout=60))
         ),
@@ -186,6 +193,11 @@ def abuse(address: str, args) -> dict:
         "normal_chunks": len(gaps) + len(first_chunk),
         "normal_worst_gap_ms": round(1000 * max(gaps), 1) if gaps else None,
         "normal_median_gap_ms": round(1000 * statistics.median(gaps), 1) if gaps else None,
+        # when (seconds after the abuse began) the worst gap ended, and the chat's prefill did
+        "normal_worst_gap_ended_s": round(gap_ends[gaps.index(max(gaps))] - t_abuse, 2)
+        if gaps
+        else None,
+        "chat_first_chunk_s": round(chat_first[0], 2) if chat_first else None,
         "normal_worst_first_chunk_ms": round(1000 * max(first_chunk), 1),
         "normal_error": normal_error[0] if normal_error else None,
         "health_checks": health["checks"],
