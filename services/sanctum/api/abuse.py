@@ -193,10 +193,12 @@ def abuse(address: str, args) -> dict:
         "normal_chunks": len(gaps) + len(first_chunk),
         "normal_worst_gap_ms": round(1000 * max(gaps), 1) if gaps else None,
         "normal_median_gap_ms": round(1000 * statistics.median(gaps), 1) if gaps else None,
-        # when (seconds after the abuse began) the worst gap ended, and the chat's prefill did
-        "normal_worst_gap_ended_s": round(gap_ends[gaps.index(max(gaps))] - t_abuse, 2)
-        if gaps
-        else None,
+        # the three worst, each with when it ended (seconds after the abuse began), and when
+        # the chat's prefill ended (its first chunk)
+        "normal_worst_gaps": ", ".join(
+            f"{1000 * g:.0f} ms at {end - t_abuse:.1f} s"
+            for g, end in sorted(zip(gaps, gap_ends), reverse=True)[:3]
+        ),
         "chat_first_chunk_s": round(chat_first[0], 2) if chat_first else None,
         "normal_worst_first_chunk_ms": round(1000 * max(first_chunk), 1),
         "normal_error": normal_error[0] if normal_error else None,
