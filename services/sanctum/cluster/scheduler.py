@@ -34,7 +34,7 @@ log = logging.getLogger("sanctum.scheduler")
 # on 2 cores: 512 tokens took 0.4 s at the start of an 18K-token chat, 1.9 s at its end).
 PREFILL_SLICE = int(os.environ.get("SANCTUM_PREFILL_SLICE", 512))
 PREFILL_SLICE_S = float(os.environ.get("SANCTUM_PREFILL_SLICE_MS", 250)) / 1000.0
-MIN_PREFILL_SLICE = 16
+MIN_PREFILL_SLICE = 64  # a forward has a fixed cost too: fewer tokens would mostly pay that
 # Threads that prepare requests (the tokenizer releases the GIL): two, so one huge prompt
 # being tokenized does not hold up every other request's admission.
 PREPARE_THREADS = 2
