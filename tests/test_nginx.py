@@ -25,22 +25,27 @@ CONF = Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "sanctum.conf"
 TOKEN = "proxy-test-token"
 
 
-def _nginx() -> str | None:
-    found = shutil.which("nginx") or (
-        "/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None
+def _installed_nginx() -> str | None:
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None
     )
+
+
+def _nginx() -> str | None:
+    """The nginx binary; installed with apt-get first when absent and we may (root)."""
+    found = _installed_nginx()
     if found or os.geteuid() != 0 or not shutil.which("apt-get"):
         return found
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive", RUNLEVEL="1")  # RUNLEVEL: no start
     install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "nginx"]
-    for cmd in (install, ["apt-get", "update", "-q"], install):
-        if subprocess.run(cmd, env=env, capture_output=True, timeout=600).returncode == 0 and (
-            cmd is install
-        ):
-            break
-    return shutil.which("nginx") or (
-        "/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None
-    )
+    running_before = os.path.exists("/run/nginx.pid")
+    if subprocess.run(install, env=env, capture_output=True, timeout=600).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
+        subprocess.run(install, env=env, capture_output=True, timeout=600)
+    found = _installed_nginx()
+    if found and not running_before and os.path.exists("/run/nginx.pid"):
+        subprocess.run([found, "-s", "quit"], capture_output=True, timeout=30)  # the package's own
+    return found
 
 
 def _free_port() -> int:
