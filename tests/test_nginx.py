@@ -26,9 +26,8 @@ TOKEN = "proxy-test-token"
 
 
 def _installed_nginx() -> str | None:
-    return shutil.which("nginx") or next(
-        (p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None
-    )
+    # /usr/sbin is not on every PATH
+    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
 
 
 def _nginx() -> str | None:
