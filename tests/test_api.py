@@ -10,6 +10,7 @@ queue and message limits (inline server); SIGTERM drain (a `sanctum serve --inli
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -63,10 +64,10 @@ def reference(pair):
 
 @pytest.fixture(scope="module")
 def server(pair, tmp_path_factory):
-    from sanctum.cluster.actors import LOCAL_RAY_SYSTEM_CONFIG, start_cluster
+    from sanctum.cluster.actors import start_cluster
+    from sanctum.cluster.localray import init_local_ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             namespace=f"test-api-{os.getpid()}", _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # fmt: skip
+    init_local_ray(num_cpus=2, log_to_driver=False, namespace=f"test-api-{os.getpid()}")
     settings = serve_settings(pair[0], pair[1], cache_dir=str(tmp_path_factory.mktemp("cache")),
                               max_active=8, max_queue=8, env={})  # fmt: skip
     backend = start_cluster(settings)
@@ -363,13 +364,74 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_tree(root: int) -> set[int]:
+    """`root` and all its descendants (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def listening_sockets(pids: set[int]) -> dict[str, int]:
+    """ "address:port" -> pid for every TCP socket these processes listen on (/proc/net/tcp*)."""
+    import ipaddress
+
+    listening = {}  # socket inode -> address
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A":  # TCP_LISTEN
+                    continue
+                hex_ip, hex_port = fields[1].split(":")
+                raw = bytes.fromhex(hex_ip)  # little-endian 32-bit words
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+                ip = ipaddress.ip_address(raw)
+                ip = getattr(ip, "ipv4_mapped", None) or ip  # ::ffff:127.0.0.1 -> 127.0.0.1
+                listening[fields[9]] = f"{ip}:{int(hex_port, 16)}"
+    found = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in listening:
+                    found[listening[link[8:-1]]] = pid
+    return found
+
+
 @pytest.mark.parametrize("mode", ["inline", "cluster"])
 def test_sigterm_drains(pair, tmp_path, mode):
     """`sanctum serve` as a process: SIGTERM flips health, refuses new work, lets the in-flight
-    stream finish, exits 0 (cluster: Ray's own SIGTERM handler must not preempt the drain)."""
+    stream finish, exits 0 (cluster: Ray's own SIGTERM handler must not preempt the drain).
+    Issue 12, cluster mode: every socket its process tree listens on, Ray's included (GCS,
+    raylet, object manager, workers, agents, metrics), is on loopback (before: many on all
+    interfaces); a socket directory left by a killed process is swept at start, and its own are
+    gone after the drain (before: left behind in both cases)."""
+    import ipaddress
+    import tempfile
+
     port = _free_port()
     env = dict(os.environ, SANCTUM_NO_OPENBLAS="1", SANCTUM_HOME=str(tmp_path))
     env.pop("RAY_ADDRESS", None)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = os.path.join(tempfile.gettempdir(), f"snc-{dead.pid}-stale")
+    os.makedirs(stale, exist_ok=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "sanctum.cli", "serve", "--model", pair[0], "--drafter", pair[1],
          "--port", str(port), "--cache-dir", str(tmp_path / "cache"),
@@ -381,6 +443,16 @@ def test_sigterm_drains(pair, tmp_path, mode):
             c.wait_serving(120)
             call = c.stream(make_request(PROMPTS[0], max_tokens=200, use_cache=False))
             first = next(call)
+            tree = process_tree(proc.pid)
+            if mode == "cluster":
+                sockets = listening_sockets(tree)
+                assert len(tree) > 5 and f"127.0.0.1:{port}" in sockets  # Ray's processes too
+                wide = [
+                    a for a in sockets if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback
+                ]
+                assert not wide, wide
+                assert not os.path.exists(stale)  # swept at start
+                assert _socket_dirs(tree)  # the verifier's and the drafter's, while serving
             proc.send_signal(signal.SIGTERM)
             assert wait_for(lambda: c.health() == "NOT_SERVING", timeout=5)
             with pytest.raises(grpc.RpcError) as err:
@@ -390,8 +462,17 @@ def test_sigterm_drains(pair, tmp_path, mode):
             assert rest[-1].finish_reason == "length"
             assert len(tokens_of([first, *rest])) == 200
         assert proc.wait(timeout=60) == 0
+        assert wait_for(lambda: not _socket_dirs(tree), timeout=10), _socket_dirs(tree)
     finally:
         if proc.poll() is None:
             proc.kill()
         out = proc.stdout.read()
         assert f"({mode})" in out and "draining" in out, out
+
+
+def _socket_dirs(pids: set[int]) -> list[str]:
+    import tempfile
+
+    root = tempfile.gettempdir()
+    return [n for n in os.listdir(root) if n.startswith("snc-") and n.split("-")[1] in
+            {str(p) for p in pids}]  # fmt: skip

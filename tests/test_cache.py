@@ -261,3 +261,24 @@ def test_corrupt_cache_file_is_skipped(tmp_path, caplog, damage):
     assert reloaded.stats["skipped_files"] == 1 and "skipping" in caplog.text
     assert reloaded.plan("m|fp16", list(range(0, 51))).resumed_at == 50  # still serves
     assert reloaded.plan("m|fp16", list(range(100, 151))).resumed_at == 0  # never poisoned
+
+
+def test_cache_files_are_private(tmp_path):
+    """Issue 12, access: the entries hold conversations in clear, so the directory is 0700 and
+    every file 0600 (before: 0644 files, readable by any local user); files an older version left
+    readable are tightened when the store opens the directory."""
+    import os
+    import stat
+
+    directory = tmp_path / "cache"
+    store = PromptStore(1 << 30, directory)
+    store.put(_entry(50))
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)
+    assert mode(directory) == 0o700
+    files = list(directory.iterdir())
+    assert len(files) == 2 and all(mode(f) == 0o600 for f in files)
+    for f in files:
+        os.chmod(f, 0o644)
+    os.chmod(directory, 0o755)
+    assert len(PromptStore(1 << 30, directory)) == 1
+    assert mode(directory) == 0o700 and all(mode(f) == 0o600 for f in directory.iterdir())

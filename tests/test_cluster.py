@@ -262,6 +262,34 @@ def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
         backend.close()
 
 
+def test_queue_full_message_counts_what_stats_count(pair):
+    """Issue 12: RESOURCE_EXHAUSTED said "0 requests decoding and 71 waiting" while 8 decoded: it
+    left out requests being opened or prefilled. Now it gives the figures stats gives."""
+    from sanctum.cluster.backend import InlineBackend, serve_settings
+    from sanctum.cluster.scheduler import QueueFull
+    from sanctum.requests import GenerateRequest
+
+    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
+                                           max_queue=1, round_delay_ms=20, env={}))  # fmt: skip
+    try:
+        backend.ready(60)
+        sched = backend.scheduler
+        sched.prefill_slice = 8  # the long prompt below stays prefilling for a while
+        decoding = sched.submit(GenerateRequest(prompt=PROMPTS[3], max_tokens=3000))
+        next(iter(decoding))
+        long_prompt = "".join(f"value_{i} = compute({i})\n" for i in range(30))
+        prefilling = sched.submit(GenerateRequest(prompt=long_prompt, max_tokens=3000))
+        waiting = sched.submit(GenerateRequest(prompt=PROMPTS[1], max_tokens=4))
+        assert wait_for(lambda: (sched.stats()["active"], sched.stats()["waiting"]) == (2, 1), 10)
+        with pytest.raises(QueueFull) as err:
+            sched.submit(GenerateRequest(prompt=PROMPTS[2], max_tokens=4))
+        assert "2 requests in progress and 1 waiting" in str(err.value), str(err.value)
+        for ticket in (decoding, prefilling, waiting):
+            sched.cancel(ticket.request_id)
+    finally:
+        backend.close()
+
+
 def test_event_socket_streams_requests_and_cancels_orphans(pair, engine):
     """The verifier's event socket (same-host front ends) over the real scheduler: requests
     multiplexed on one connection give the engine's output; a bad request is an error event; a
@@ -381,6 +409,77 @@ def test_long_prompt_prefills_in_slices_between_rounds(pair, engine):
         backend.close()
 
 
+def test_prefill_slices_shrink_to_fit_their_time():
+    """A slice is PREFILL_SLICE tokens, or fewer when the request's last slice says they would
+    take longer than prefill_slice_s (attention makes tokens dearer as the context grows)."""
+    from sanctum.cluster.scheduler import Scheduler
+
+    sched = Scheduler(lambda: None, prefill_slice=512)
+    sched.prefill_slice_s = 0.25
+    assert sched._slice("new") == 512  # nothing measured yet
+    for cost, tokens in ((1e-6, 512), (1e-3, 250), (0.1, 64)):
+        sched._token_cost["r"] = cost
+        assert sched._slice("r") == tokens
+    sched._last_token_cost = 1e-3  # a first slice goes by the last one measured
+    assert sched._slice("other") == 250
+    sched.shutdown()
+
+
+def test_no_request_stalls_the_others(pair, engine):
+    """Issue 12, head-of-line stalls: while a stream decodes, a 15 MB prompt, an 800-message
+    chat and 100 stop strings of 10 KB arrive. The big prompt and the stop strings are refused
+    at once (by size, before any tokenization), the chat is prepared off the model's thread and
+    prefilled in slices, and the stream's worst gap between chunks stays well under a second (before: the
+    15 MB prompt was tokenized on the model's thread, a stall of many seconds)."""
+    from sanctum.cluster.backend import InlineBackend, serve_settings
+    from sanctum.requests import GenerateRequest, InvalidRequest
+
+    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=4,
+                                           round_delay_ms=5, env={}))  # fmt: skip
+    try:
+        backend.ready(60)
+        sched = backend.scheduler
+        normal = sched.submit(GenerateRequest(prompt=PROMPTS[3], max_tokens=3000, request_id="n"))
+        arrivals, stream = [], iter(normal)
+        for _ in range(3):
+            next(stream)
+        done = threading.Event()
+
+        def read_normal():
+            for _ in stream:
+                arrivals.append(time.perf_counter())
+                if done.is_set():
+                    sched.cancel("n")
+
+        reader = threading.Thread(target=read_normal)
+        reader.start()
+        t0 = time.perf_counter()
+        huge = sched.submit(GenerateRequest(prompt="x = 1\n" * ((15 << 20) // 6), max_tokens=4))
+        with pytest.raises(InvalidRequest) as err:
+            list(huge)
+        assert err.value.field == "prompt" and "characters" in str(err.value)
+        assert time.perf_counter() - t0 < 1.0  # refused by size, not after tokenizing
+        stops = sched.submit(GenerateRequest(prompt="hi", stop=("s" * 10_000,) * 100))
+        with pytest.raises(InvalidRequest) as err:
+            list(stops)
+        assert err.value.field == "stop"
+        chat = [{"role": ("user", "assistant")[i % 2], "content": f"turn {i}"}
+                for i in range(800)]  # fmt: skip
+        long_chat = sched.submit(
+            GenerateRequest(messages=tuple(chat), max_tokens=4, request_id="c")
+        )
+        assert wait_for(lambda: sched.stats()["active"] == 2, timeout=10)  # prepared: prefilling
+        time.sleep(1.5)  # a few of its prefill slices, between the stream's rounds
+        sched.cancel("c")
+        assert list(long_chat) == []  # ended by the cancel, no error
+        done.set()
+        reader.join(60)
+        gaps = np.diff([t0, *arrivals])
+        assert len(arrivals) > 5 and gaps.max() < 1.0, gaps.max()
+    finally:
+        backend.close()
+
+
 # ---- the isolation bench ---------------------------------------------------------------------------
 
 
@@ -437,11 +536,11 @@ ray = pytest.importorskip("ray")
 def cluster(pair, tmp_path_factory):
     from sanctum.api.client import Client
     from sanctum.api.server import Server
-    from sanctum.cluster.actors import LOCAL_RAY_SYSTEM_CONFIG, start_cluster
+    from sanctum.cluster.actors import start_cluster
     from sanctum.cluster.backend import serve_settings
+    from sanctum.cluster.localray import init_local_ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             namespace=f"test-cluster-{os.getpid()}", _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # fmt: skip
+    init_local_ray(num_cpus=2, log_to_driver=False, namespace=f"test-cluster-{os.getpid()}")
     settings = serve_settings(
         pair[0], pair[1], cache_dir=str(tmp_path_factory.mktemp("store")), env={}
     )
@@ -568,6 +667,45 @@ def test_store_dies_then_reloads_its_entries(cluster, engine):
 
 
 @pytest.mark.slow
+def test_health_follows_the_verifier(cluster, engine):
+    """Issue 12, health lies: killed with no request in flight, the verifier used to leave health
+    SERVING through its whole restart while requests got UNAVAILABLE. Now Check and Watch say
+    NOT_SERVING from the moment it dies (its event socket hangs up) until it serves again;
+    requests meanwhile get UNAVAILABLE at once, and once SERVING they succeed."""
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    backend, client = cluster
+    _, _, reference = engine
+    watch = client.health_stub.Watch(health_pb2.HealthCheckRequest(), timeout=180)
+    watched = []
+
+    def read_watch():
+        with contextlib.suppress(grpc.RpcError):
+            for m in watch:
+                watched.append(health_pb2.HealthCheckResponse.ServingStatus.Name(m.status))
+
+    reader = threading.Thread(target=read_watch)
+    reader.start()
+    assert wait_for(lambda: watched == ["SERVING"], timeout=10)
+    os.kill(backend.pids()["verifier"], signal.SIGKILL)
+    killed = time.monotonic()
+    assert wait_for(lambda: client.health() == "NOT_SERVING", timeout=5, interval=0.02)
+    assert time.monotonic() - killed < 1.0
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.generate(PROMPTS[0], max_tokens=4, timeout=60))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 2.0
+    assert wait_for(lambda: client.health() == "SERVING", timeout=120, interval=0.05)
+    assert _tokens(client.generate(PROMPTS[0], max_tokens=8, timeout=60)) == reference(
+        PROMPTS[0], 8
+    )  # SERVING means served
+    assert wait_for(lambda: watched == ["SERVING", "NOT_SERVING", "SERVING"], timeout=5), watched
+    watch.cancel()
+    reader.join(10)
+
+
+@pytest.mark.slow
 def test_verifier_dies_in_flight_then_serves_again(cluster, engine):
     import grpc
 
@@ -586,3 +724,30 @@ def test_verifier_dies_in_flight_then_serves_again(cluster, engine):
     assert _tokens(client.generate(PROMPTS[3], max_tokens=16, timeout=120)) == reference(
         PROMPTS[3], 16
     )
+
+
+def test_socket_directories_are_removed_or_swept():
+    """Issue 12: /tmp/snc-* socket directories were left behind after a kill and after a clean
+    drain. A listener removes its own at close; a killed process's is swept by the next start,
+    and a live process's is left alone."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from sanctum.cluster.sockets import UnixListener, sweep_stale_socket_dirs
+
+    own = UnixListener(lambda conn: None, "test")
+    own_dir = os.path.dirname(own.address)
+    assert os.path.basename(own_dir).startswith(f"snc-{os.getpid()}-")
+    assert os.stat(own_dir).st_mode & 0o777 == 0o700
+    code = ("import sys, time; from sanctum.cluster.sockets import UnixListener; "
+            "print(UnixListener(lambda c: None, 'x').address, flush=True); time.sleep(60)")  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    killed_dir = os.path.dirname(child.stdout.readline().strip())
+    child.kill()
+    child.wait()
+    assert os.path.isdir(killed_dir)  # SIGKILL: nothing ran its cleanup
+    assert sweep_stale_socket_dirs(tempfile.gettempdir()) >= 1
+    assert not os.path.exists(killed_dir) and os.path.isdir(own_dir)  # the live one stays
+    own.close()
+    assert not os.path.exists(own_dir)

@@ -52,11 +52,46 @@ def test_chat_template_drops_earlier_think_and_marks_message_starts(tokenizer):
     ]
     text = render_chat(tokenizer, msgs)
     assert "secret" not in text and text.endswith("<|im_start|>assistant\n")
-    starts = message_starts(tokenizer, msgs)
     ids = tokenizer.encode(text, add_special_tokens=False)
+    starts = message_starts(tokenizer, msgs, ids)
     assert starts[-1] == len(ids) and starts == sorted(starts)
     first_turn = tokenizer.encode(render_chat(tokenizer, msgs[:1]), add_special_tokens=False)
     assert ids[: len(first_turn)] == first_turn  # turn 2 shares turn 1's prompt exactly
+
+
+def _starts_by_rendering_every_prefix(tok, msgs):
+    """The definition (and the old, quadratic way): encode each prefix's rendering."""
+    starts = [
+        len(tok.encode(render_chat(tok, msgs[:i], add_generation_prompt=False),
+                       add_special_tokens=False))
+        for i in range(1, len(msgs) + 1)
+    ]  # fmt: skip
+    return [*starts, len(tok.encode(render_chat(tok, msgs), add_special_tokens=False))]
+
+
+def test_message_starts_are_the_prefix_encodings_found_in_one_pass(tokenizer):
+    """The starts equal each prefix's own encoding length (random chats, think blocks, spaces
+    and newlines at the edges), and 800 messages take one render and one encode, not 800
+    (quadratic before: tens of seconds, and a stall for every other stream)."""
+    import time
+
+    rng = random.Random(0)
+    pieces = ["hi", " there", "\n", "  x = 1\n", "<think>\nhm\n</think>\n\nok", "é 漢", ""]
+    for _ in range(20):
+        msgs = [{"role": rng.choice(["system", "user", "assistant"]),
+                 "content": "".join(rng.choices(pieces, k=rng.randint(0, 4)))}
+                for _ in range(rng.randint(1, 6))]  # fmt: skip
+        ids = tokenizer.encode(render_chat(tokenizer, msgs), add_special_tokens=False)
+        assert message_starts(tokenizer, msgs, ids) == _starts_by_rendering_every_prefix(
+            tokenizer, msgs
+        )
+    chat = [{"role": ("user", "assistant")[i % 2], "content": f"message {i} " + "w" * 30}
+            for i in range(800)]  # fmt: skip
+    t0 = time.perf_counter()
+    ids = tokenizer.encode(render_chat(tokenizer, chat), add_special_tokens=False)
+    starts = message_starts(tokenizer, chat, ids)
+    assert time.perf_counter() - t0 < 2.0
+    assert len(starts) == 801 and starts == sorted(starts) and starts[-1] == len(ids)
 
 
 REENCODE_TEXT = (

@@ -276,6 +276,9 @@ def register(sub) -> None:
     from .cluster.isolation import add_parser as add_isolation
 
     add_isolation(bsub, _add_model_flags)
+    from .api.abuse import add_parser as add_abuse
+
+    add_abuse(bsub, _add_model_flags)
     t = bsub.add_parser("tau", help="tau and speculative/plain tok/s per context length")
     _add_model_flags(t)
     t.add_argument("--contexts", default="0,1024,2048,4096",
@@ -301,8 +304,15 @@ def isolation(args) -> dict:
     return run(args)
 
 
+def abuse(args) -> dict:
+    """A normal stream's worst gap while abusive clients hammer the server (api/abuse.py)."""
+    from .api.abuse import run
+
+    return run(args)
+
+
 BENCHES = {"speculative": speculative, "multiturn": multiturn, "isolation": isolation, "tau": tau,
-           "reencode": reencode}  # fmt: skip
+           "reencode": reencode, "abuse": abuse}  # fmt: skip
 
 
 def main(args) -> int:

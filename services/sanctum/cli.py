@@ -148,6 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prompt", required=True)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--server", help="HOST:PORT of a running `sanctum serve`")
+    g.add_argument(
+        "--auth-token-file",
+        metavar="PATH",
+        help="--server: the bearer token (default SANCTUM_AUTH_TOKEN, SANCTUM_AUTH_TOKEN_FILE)",
+    )
+    g.add_argument("--tls", action="store_true", help="--server: TLS, verified by system roots")
+    g.add_argument("--tls-ca", metavar="PEM", help="--server: TLS, verified by this CA")
+    g.add_argument("--tls-cert", metavar="PEM", help="--server: client certificate (mutual TLS)")
+    g.add_argument("--tls-key", metavar="PEM", help="--server: the client certificate's key")
     g.add_argument("-v", "--verbose", action="store_true", help="print per-round stats")
     g.set_defaults(func=cmd_generate)
 

@@ -2,7 +2,11 @@
 
 Environment keys keep the seed's names (SANCTUM_MLX_DFLASH2_DIR, SANCTUM_MLX_DFLASH2_BLOCK,
 SANCTUM_MLX_DFLASH2_BITS, SANCTUM_MLX_SSM_LADDER) plus SANCTUM_MODEL, SANCTUM_KV, SANCTUM_HOST,
-SANCTUM_PORT, SANCTUM_CACHE_BYTES, SANCTUM_CACHE_DIR and SANCTUM_HOME.
+SANCTUM_PORT, SANCTUM_CACHE_BYTES, SANCTUM_CACHE_DIR and SANCTUM_HOME; the front end's access
+(SANCTUM_AUTH_TOKEN_FILE, SANCTUM_TLS_CERT, SANCTUM_TLS_KEY, SANCTUM_TLS_CLIENT_CA) and connection
+limits (SANCTUM_KEEPALIVE_S, SANCTUM_CONNECTION_IDLE_S, SANCTUM_CONNECTION_AGE_S,
+SANCTUM_STREAM_IDLE_S, SANCTUM_SLOW_CLIENT_S, SANCTUM_STREAMS_PER_CONNECTION,
+SANCTUM_MAX_CONNECTIONS).
 """
 
 from __future__ import annotations
@@ -65,12 +69,72 @@ class CacheSettings:
     directory: str | None
 
 
+def _env_float(env, key: str, default: float) -> float:
+    raw = env.get(key)
+    if raw in (None, ""):
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{key}={raw!r} is not a number") from None
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What one client connection may hold, as grpcio server options (plus the idle bound on
+    request streams, enforced in api/guard.py). Long enough for any generation: a 4096-token
+    stream takes minutes at worst; a Health.Watch is cut at the age limit and re-opened."""
+
+    keepalive_s: float = 60.0  # ping a quiet connection this often ...
+    keepalive_timeout_s: float = 20.0  # ... and drop it when the ping goes unanswered
+    connection_idle_s: float = 300.0  # a connection without any RPC for this long is closed
+    connection_age_s: float = 1800.0  # then asked to reconnect (GOAWAY) ...
+    connection_age_grace_s: float = 600.0  # ... and closed this long after, RPCs or not
+    stream_idle_s: float = 30.0  # a request stream (reflection) without a message: closed
+    slow_client_s: float = 30.0  # a response stream whose client takes nothing: closed
+    streams_per_connection: int = 100  # HTTP/2 MAX_CONCURRENT_STREAMS: the bound per client
+    max_connections: int = 1000
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        ms = lambda s: int(s * 1000)
+        return [
+            ("grpc.keepalive_time_ms", ms(self.keepalive_s)),
+            ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+            ("grpc.max_connection_idle_ms", ms(self.connection_idle_s)),
+            ("grpc.max_connection_age_ms", ms(self.connection_age_s)),
+            ("grpc.max_connection_age_grace_ms", ms(self.connection_age_grace_s)),
+            ("grpc.max_concurrent_streams", self.streams_per_connection),
+            ("grpc.max_allowed_incoming_connections", self.max_connections),
+        ]
+
+
+def connection_limits(env=os.environ) -> ConnectionLimits:
+    d = ConnectionLimits()
+    return ConnectionLimits(
+        keepalive_s=_env_float(env, "SANCTUM_KEEPALIVE_S", d.keepalive_s),
+        keepalive_timeout_s=d.keepalive_timeout_s,
+        connection_idle_s=_env_float(env, "SANCTUM_CONNECTION_IDLE_S", d.connection_idle_s),
+        connection_age_s=_env_float(env, "SANCTUM_CONNECTION_AGE_S", d.connection_age_s),
+        connection_age_grace_s=d.connection_age_grace_s,
+        stream_idle_s=_env_float(env, "SANCTUM_STREAM_IDLE_S", d.stream_idle_s),
+        slow_client_s=_env_float(env, "SANCTUM_SLOW_CLIENT_S", d.slow_client_s),
+        streams_per_connection=_env_int(env, "SANCTUM_STREAMS_PER_CONNECTION",
+                                        d.streams_per_connection),
+        max_connections=_env_int(env, "SANCTUM_MAX_CONNECTIONS", d.max_connections),
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     host: str
     port: int
     max_queue: int
     max_message_bytes: int
+    auth_token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    limits: ConnectionLimits = ConnectionLimits()
 
 
 def engine_settings(
@@ -115,11 +179,22 @@ def cache_settings(
 
 
 def server_settings(
-    host: str | None = None, port: int | None = None, env=os.environ
+    host: str | None = None,
+    port: int | None = None,
+    auth_token_file: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    tls_client_ca: str | None = None,
+    env=os.environ,
 ) -> ServerSettings:
     return ServerSettings(
         host=host or env.get("SANCTUM_HOST", "127.0.0.1"),
         port=port if port is not None else _env_int(env, "SANCTUM_PORT", 1337),
         max_queue=_env_int(env, "SANCTUM_MAX_QUEUE", 64),
         max_message_bytes=_env_int(env, "SANCTUM_MAX_MESSAGE_BYTES", 16 << 20),
+        auth_token_file=auth_token_file or env.get("SANCTUM_AUTH_TOKEN_FILE") or None,
+        tls_cert=tls_cert or env.get("SANCTUM_TLS_CERT") or None,
+        tls_key=tls_key or env.get("SANCTUM_TLS_KEY") or None,
+        tls_client_ca=tls_client_ca or env.get("SANCTUM_TLS_CLIENT_CA") or None,
+        limits=connection_limits(env),
     )

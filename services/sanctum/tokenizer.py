@@ -114,18 +114,34 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
 
 
 def message_starts(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True
+    tokenizer, messages: list[dict], prompt_ids: list[int], add_generation_prompt: bool = True
 ) -> list[int]:
-    """Token positions where each message (and the generation prompt) starts in the rendered
-    prompt: natural ladder rungs, since later turns share exactly these prefixes."""
+    """Token positions in `prompt_ids` (the rendered, encoded chat) where each message after the
+    first, the generation prompt, and the end start: natural ladder rungs, since later turns
+    share exactly these prefixes. That is where `len(encode(render(messages[:i])))` lands for
+    every i, found in one pass: a Qwen-style template opens each message with IM_START, a special
+    token the encoder never merges across. A template without it gets the starts of the last
+    few messages only, each rendered and encoded (so the cost stays linear in the chat)."""
+    marker = _token_id(tokenizer, IM_START)
+    opens = [i for i, t in enumerate(prompt_ids) if t == marker] if marker is not None else []
+    if len(opens) == len(messages) + (1 if add_generation_prompt else 0):
+        return [*opens[1:], len(prompt_ids)]
     starts = []
-    for i in range(1, len(messages) + 1):
+    for i in range(max(1, len(messages) - FALLBACK_STARTS + 1), len(messages) + 1):
         text = render_chat(tokenizer, messages[:i], add_generation_prompt=False)
         starts.append(len(tokenizer.encode(text, add_special_tokens=False)))
     if add_generation_prompt:
-        full = render_chat(tokenizer, messages, add_generation_prompt=True)
-        starts.append(len(tokenizer.encode(full, add_special_tokens=False)))
+        starts.append(len(prompt_ids))
     return starts
+
+
+FALLBACK_STARTS = 4  # message starts computed by rendering, for templates without IM_START
+
+
+def _token_id(tokenizer, token: str) -> int | None:
+    """The id of a special token, or None when the vocabulary lacks it."""
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
 
 
 class Reencoder:
@@ -238,12 +254,7 @@ class TextStream:
             if (i := full.find(s)) >= 0:
                 full = full[:i]
         full = full.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for the next token
-        hold = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(full)), 0, -1):
-                if full.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
+        hold = max((_partial_match(full, s) for s in self.stop), default=0)
         ready = full[: len(full) - hold]
         delta = ready[len(self.text) :] if ready.startswith(self.text) else ""
         self.text += delta
@@ -258,3 +269,15 @@ class TextStream:
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += delta
         return delta
+
+
+def _partial_match(text: str, stop: str) -> int:
+    """Length of the longest proper prefix of `stop` that `text` ends with (held back: the next
+    token may complete it). Scans only the text's last len(stop)-1 characters, by str.find."""
+    tail = text[len(text) - min(len(stop) - 1, len(text)) :]
+    i = tail.find(stop[0]) if tail else -1
+    while i >= 0:
+        if stop.startswith(tail[i:]):
+            return len(tail) - i
+        i = tail.find(stop[0], i + 1)
+    return 0

@@ -4,13 +4,20 @@ from sanctum.api.client import Client
 with Client("127.0.0.1:1337") as c:
     for piece in c.generate("def fibonacci(n):", max_tokens=64):
         print(piece.text, end="")
+
+A server started with --auth-token-file wants `authorization: Bearer <token>` on every call: the
+client sends `token`, else SANCTUM_AUTH_TOKEN, else the contents of SANCTUM_AUTH_TOKEN_FILE.
+TLS: `tls_ca` (PEM bytes or a path; None with `tls=True`: the system's roots) verifies the server;
+`tls_cert` + `tls_key` present a client certificate (mutual TLS).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -54,15 +61,74 @@ def make_request(
     return req
 
 
+def resolve_token(token: str | None = None, env=os.environ) -> str | None:
+    """The bearer token to send: `token`, else SANCTUM_AUTH_TOKEN, else SANCTUM_AUTH_TOKEN_FILE's."""
+    if token:
+        return token.strip()
+    if env.get("SANCTUM_AUTH_TOKEN"):
+        return env["SANCTUM_AUTH_TOKEN"].strip()
+    if env.get("SANCTUM_AUTH_TOKEN_FILE"):
+        return Path(env["SANCTUM_AUTH_TOKEN_FILE"]).read_text().strip() or None
+    return None
+
+
+def _pem(value: bytes | str | None) -> bytes | None:
+    """PEM bytes as given, or read from a path."""
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
+
+
+class _BearerToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds `authorization: Bearer <token>` to every call on the channel."""
+
+    def __init__(self, token: str):
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details):
+        metadata = [*(details.metadata or ()), self.header]
+        return details._replace(metadata=metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    intercept_unary_stream = intercept_unary_unary
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._with_token(details), request_iterator)
+
+    intercept_stream_stream = intercept_stream_unary
+
+
 class Client:
     """A channel to one server; every call takes an optional `timeout` (seconds: a deadline)."""
 
-    def __init__(self, target: str, max_message_bytes: int = 16 << 20):
+    def __init__(self, target: str, max_message_bytes: int = 16 << 20, *,
+                 token: str | None = None, tls: bool = False,
+                 tls_ca: bytes | str | None = None, tls_cert: bytes | str | None = None,
+                 tls_key: bytes | str | None = None, options: tuple = ()):  # fmt: skip
         self.target = target
-        self.channel = grpc.insecure_channel(target, options=[
+        opts = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
-        ])  # fmt: skip
+            *options,
+        ]
+        if tls or tls_ca or tls_cert:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_pem(tls_ca), private_key=_pem(tls_key),
+                certificate_chain=_pem(tls_cert),
+            )  # fmt: skip
+            self.channel = grpc.secure_channel(target, creds, options=opts)
+        else:
+            self.channel = grpc.insecure_channel(target, options=opts)
+        token = resolve_token(token)
+        if token:
+            self.channel = grpc.intercept_channel(self.channel, _BearerToken(token))
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -136,7 +202,11 @@ def generate_remote(server: str, args, sampling) -> dict:
                        top_k=sampling.top_k)  # fmt: skip
     tokens, rounds, text, finish, usage = [], [], "", None, None
     t0 = time.perf_counter()
-    with Client(server) as client:
+    token = None
+    if getattr(args, "auth_token_file", None):
+        token = Path(args.auth_token_file).read_text().strip()
+    tls = {k: getattr(args, k, None) for k in ("tls_ca", "tls_cert", "tls_key")}
+    with Client(server, token=token, tls=bool(getattr(args, "tls", False)), **tls) as client:
         try:
             stats = client.stats()
             for m in client.stub.Generate(req):

@@ -1,6 +1,13 @@
-"""`sanctum serve`: argument parsing only (grpc and Ray are imported when the command runs)."""
+"""`sanctum serve`: its flags, and the process around the server (signals, a local Ray cluster
+on loopback, drain). grpc and Ray are imported when the command runs."""
 
 from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger("sanctum.api")
 
 
 def register(sub) -> None:
@@ -38,6 +45,17 @@ def register(sub) -> None:
     s.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to let streams finish on SIGTERM"
     )
+    s.add_argument(
+        "--auth-token-file",
+        metavar="PATH",
+        help="require 'authorization: Bearer <token in PATH>' on every RPC but health and "
+        "reflection (default SANCTUM_AUTH_TOKEN_FILE; needed to listen beyond loopback)",
+    )
+    s.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
+    s.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    s.add_argument(
+        "--tls-client-ca", metavar="PEM", help="mutual TLS: clients need a certificate it signed"
+    )
     s.set_defaults(func=cmd_serve)
 
 
@@ -59,9 +77,79 @@ def cmd_serve(args) -> int:
         args.model, args.drafter, args.block_size, args.bits, args.kv, args.ladder, args.cache_bytes,
         args.cache_dir, args.max_active, args.max_queue, args.transport, resources,
     )  # fmt: skip
-    net = server_settings(args.host, args.port)
-    from .server import serve
+    net = server_settings(args.host, args.port, args.auth_token_file, args.tls_cert,
+                          args.tls_key, args.tls_client_ca)  # fmt: skip
+    return serve(settings, net, args.inline, args.drain_timeout)
 
-    return serve(
-        settings, net.host, net.port, args.inline, args.drain_timeout, net.max_message_bytes
-    )
+
+def serve(settings, net, inline: bool = False, drain_timeout: float = 30.0) -> int:
+    """`sanctum serve`: gRPC on net.host:net.port over the actor cluster (a local Ray on
+    loopback, or RAY_ADDRESS) or, with `inline`, over the roles in this process. Returns at the
+    end of a drain. Access problems (a bad token file, no token beyond loopback) are refused
+    before anything is loaded."""
+    import signal
+
+    from ..cluster.sockets import sweep_stale_socket_dirs
+    from .guard import Access, check_exposure
+    from .server import Server
+
+    logging.basicConfig(level=os.environ.get("SANCTUM_LOG", "INFO"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+    access = Access.from_files(net.auth_token_file, net.tls_cert, net.tls_key, net.tls_client_ca)
+    check_exposure(net.host, access)
+    sweep_stale_socket_dirs()
+    stop = threading.Event()
+
+    def on_signals():  # again after ray.init, whose core worker installs its own SIGTERM handler
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+
+    on_signals()
+    ray_started = False
+    if not inline:
+        address = os.environ.get("RAY_ADDRESS") or None
+        from ..cluster.localray import init_local_ray
+
+        local = {}
+        if not address and os.environ.get("SANCTUM_OBJECT_STORE_BYTES"):
+            local["object_store_memory"] = int(os.environ["SANCTUM_OBJECT_STORE_BYTES"])
+        # before the gRPC server starts: Ray forks its processes, gRPC prefers no fork after start
+        if address:
+            import ray
+
+            ray.init(address=address, namespace="sanctum", log_to_driver=True)
+        else:
+            init_local_ray(namespace="sanctum", log_to_driver=True, **local)
+        ray_started = True
+        on_signals()
+    try:
+        streams = settings.max_active + settings.max_queue + 8
+        server = Server(None, net.host, net.port, net.max_message_bytes, max_streams=streams,
+                        access=access, limits=net.limits)  # fmt: skip
+        log.info("listening on %s (%s%s; NOT_SERVING until the models are loaded)",
+                 server.address, "TLS" if access.tls_cert else "plaintext",
+                 ", bearer token" if access.token else "")  # fmt: skip
+        if inline:
+            from ..cluster.backend import InlineBackend
+
+            backend = InlineBackend(settings)
+        else:
+            from ..cluster.actors import start_cluster
+
+            backend = start_cluster(settings)
+        server.attach(backend)
+        server.ready()
+        print(f"sanctum: serving {settings.engine.model} on {server.address} "
+              f"({backend.mode})", flush=True)  # fmt: skip
+        while not stop.wait(0.25):  # a timeout: a signal landing on another thread still runs
+            pass  # its Python handler only when the main thread wakes
+        log.info("draining: health NOT_SERVING, new requests refused, in-flight ones finishing")
+        server.drain(drain_timeout)
+        server.stop(grace=1.0)
+        backend.close()
+        return 0
+    finally:
+        if ray_started:
+            import ray
+
+            ray.shutdown()

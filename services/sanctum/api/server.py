@@ -1,6 +1,17 @@
 """The gRPC front end: `sanctum.v1.Inference`, `grpc.health.v1` and server reflection, over a
 backend (the roles inline, or the Ray actor cluster; see cluster/backend.py).
 
+Admission cannot be starved. The server is grpcio's asyncio one, on its own event-loop thread:
+an open stream costs a coroutine, not a thread, so health and reflection always answer, however
+many streams sit idle. The concurrency bound (`max_streams`) applies to generation (Generate,
+Complete) only: past it RESOURCE_EXHAUSTED, as when the backend's queue is full. Connections are
+bounded by grpcio's own options (keepalive, idle and age limits, streams per connection, number
+of connections: `ConnectionLimits`); a client that stops taking its responses loses its stream
+after `slow_client_s`, and api/guard.py closes idle request streams, checks the
+bearer token and answers malformed messages. Blocking backend work (submitting, waiting for the
+next chunk, stats, cache administration) runs on thread pools: generation's as large as its
+bound, administration's small and bounded too.
+
 Health is NOT_SERVING until the models are loaded, while the verifier restarts, and from the
 moment a drain starts. A drain (SIGTERM) refuses new requests with UNAVAILABLE, lets in-flight
 streams finish, then stops. Client cancellation and deadlines cancel the request in the backend,
@@ -9,22 +20,30 @@ which stops it before its next round and frees its sequence. Message sizes are b
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
-from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from ..config import ConnectionLimits
 from ..requests import InvalidRequest, validate
 from .convert import chunk_to_proto, invalid_message, request_from_proto, round_of
 from .gen import inference_pb2 as pb
 from .gen import inference_pb2_grpc as pb_grpc
+from .guard import Access, Guard, check_exposure
 
 log = logging.getLogger("sanctum.api")
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "sanctum.v1.Inference"
+ADMIN_THREADS = 2  # stats and cache administration: Ray calls of up to ~10 s when a role is down
+ADMIN_LIMIT = 16  # such calls in flight at once; more get RESOURCE_EXHAUSTED
+_END = object()
 
 
 def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -41,22 +60,35 @@ def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, backend):
+    """sanctum.v1.Inference on the event loop; the backend's blocking calls on thread pools."""
+
+    def __init__(self, backend, max_streams: int, slow_client_s: float = 30.0):
         self.backend = backend
         self.draining = False
-        self._inflight = 0
+        self.max_streams = max_streams
+        self.slow_client_s = slow_client_s
+        self._inflight = 0  # generation requests
         self._cv = threading.Condition()
+        # one thread per generation request, blocked on its next chunk (+ a few for cancelled
+        # ones whose thread is still waiting for the backend's end)
+        self._generation = ThreadPoolExecutor(max_streams + 8, thread_name_prefix="sanctum-gen")
+        self._admin = ThreadPoolExecutor(ADMIN_THREADS, thread_name_prefix="sanctum-admin")
+        self._admin_inflight = 0  # touched on the event loop only
 
     # ---- bookkeeping ---------------------------------------------------------------------------
-    def _enter(self, context) -> None:
+    def _enter(self) -> tuple[grpc.StatusCode, str] | None:
+        """Count a generation request in, or say why not."""
         with self._cv:
             if self.draining:
-                context.abort(
-                    grpc.StatusCode.UNAVAILABLE, "the server is draining; retry elsewhere"
-                )
+                return grpc.StatusCode.UNAVAILABLE, "the server is draining; retry elsewhere"
             if self.backend is None:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading its models")
+                return grpc.StatusCode.UNAVAILABLE, "the server is loading its models"
+            if self._inflight >= self.max_streams:
+                return (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{self._inflight} generation requests in flight, the server's limit; "
+                        "retry later")  # fmt: skip
             self._inflight += 1
+            return None
 
     def _leave(self) -> None:
         with self._cv:
@@ -74,201 +106,232 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 self._cv.wait(left)
         return True
 
-    def _chunks(self, request, context, mode: str):
-        """The request's chunks; aborts the RPC with the right status on any error."""
-        try:
-            req = request_from_proto(request)
-            if self.backend.limits is not None:
-                validate(req, self.backend.limits)  # here too: bad input never reaches a role
-        except InvalidRequest as exc:
-            context.abort(*_status(exc))
-        rid = req.request_id
-        done = threading.Event()
-        context.add_callback(lambda: None if done.is_set() else self.backend.cancel(rid))
-        remaining = context.time_remaining()
-        deadline = time.time() + remaining if remaining is not None and remaining < 1e8 else None
-        try:
-            yield from self.backend.submit(req, mode, deadline)
-            done.set()
-        except Exception as exc:
-            done.set()
-            if context.is_active():
-                context.abort(*_status(exc))
+    def close(self) -> None:
+        self._generation.shutdown(wait=False, cancel_futures=True)
+        self._admin.shutdown(wait=False, cancel_futures=True)
 
-    # ---- RPCs --------------------------------------------------------------------------------
-    def Generate(self, request, context):
-        """Stream the completion, one message per round."""
-        self._enter(context)
+    def _open(self, request: pb.GenerateRequest, mode: str, deadline: float | None):
+        """On a generation thread: the request's id and its chunk iterator (raises at once for
+        bad input, a full queue, a restarting verifier)."""
+        req = request_from_proto(request)
+        if self.backend.limits is not None:
+            validate(req, self.backend.limits)  # here too: bad input never reaches a role
+        return req.request_id, iter(self.backend.submit(req, mode, deadline))
+
+    async def _chunks(self, request, context, mode: str):
+        """The request's chunks; aborts the RPC with the right status on any error."""
+        refused = self._enter()
+        if refused is not None:
+            await context.abort(*refused)
+        loop = asyncio.get_running_loop()
         try:
-            for i, chunk in enumerate(self._chunks(request, context, "streaming")):
-                yield chunk_to_proto(chunk, i)
+            remaining = context.time_remaining()
+            deadline = (
+                time.time() + remaining if remaining is not None and remaining < 1e8 else None
+            )
+            opening = loop.run_in_executor(self._generation, self._open, request, mode, deadline)
+            try:
+                rid, chunks = await asyncio.shield(opening)
+            except asyncio.CancelledError:  # the client left while the request was submitted:
+                opening.add_done_callback(self._cancel_opened)  # cancel it once it is there
+                raise
+            except Exception as exc:
+                await context.abort(*_status(exc))
+            ended = False
+            context.add_done_callback(lambda _: None if ended else self.backend.cancel(rid))
+            while True:
+                try:
+                    chunk = await loop.run_in_executor(self._generation, next, chunks, _END)
+                except Exception as exc:
+                    ended = True
+                    await context.abort(*_status(exc))
+                if chunk is _END:
+                    ended = True
+                    return
+                yield chunk
         finally:
             self._leave()
 
-    def Complete(self, request, context):
-        """The whole completion in one message."""
-        self._enter(context)
+    def _cancel_opened(self, opening: asyncio.Future) -> None:
+        if not opening.cancelled() and opening.exception() is None:
+            self.backend.cancel(opening.result()[0])
+
+    async def _admin_call(self, context, fn, *args):
+        """`fn(*args)` on an administration thread; its error as the RPC's status."""
+        if self.backend is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading its models")
+        if self._admin_inflight >= ADMIN_LIMIT:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{ADMIN_LIMIT} administrative calls in flight; retry later")  # fmt: skip
+        self._admin_inflight += 1
         try:
-            out = pb.CompleteResponse()
-            for i, chunk in enumerate(self._chunks(request, context, "sync")):
-                m = chunk_to_proto(chunk, i)
+            return await asyncio.get_running_loop().run_in_executor(self._admin, fn, *args)
+        except Exception as exc:
+            await context.abort(*_status(exc))
+        finally:
+            self._admin_inflight -= 1
+
+    # ---- RPCs --------------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        """Stream the completion, one message per round."""
+        async with contextlib.aclosing(self._chunks(request, context, "streaming")) as chunks:
+            index = 0
+            async for chunk in chunks:
+                await self._write(context, chunk_to_proto(chunk, index))
+                index += 1
+
+    async def _write(self, context, message) -> None:
+        """Send one response; a client that takes none for `slow_client_s` loses the stream
+        (and the request its slot), instead of holding it for as long as it likes."""
+        try:
+            await asyncio.wait_for(context.write(message), self.slow_client_s)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no response taken for {self.slow_client_s:g} s: the client "
+                                "reads too slowly; stream closed")  # fmt: skip
+
+    async def Complete(self, request, context):
+        """The whole completion in one message."""
+        out, index = pb.CompleteResponse(), 0
+        async with contextlib.aclosing(self._chunks(request, context, "sync")) as chunks:
+            async for chunk in chunks:
+                m = chunk_to_proto(chunk, index)
                 out.text += m.text
                 out.token_ids.extend(m.token_ids)
-                if i:
+                if index:
                     out.rounds.add(**round_of(m))
                 if m.finish_reason:
                     out.finish_reason = m.finish_reason
                 if m.HasField("usage"):
                     out.usage.CopyFrom(m.usage)
-            return out
-        finally:
-            self._leave()
+                index += 1
+        return out
 
-    def GetStats(self, request, context):
+    async def GetStats(self, request, context):
         """Serving model, queue and cache counters."""
-        if self.backend is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading its models")
-        try:
-            return self.backend.stats()
-        except Exception as exc:
-            context.abort(*_status(exc))
+        return await self._admin_call(context, lambda: self.backend.stats())
 
-    def ListCache(self, request, context):
+    async def ListCache(self, request, context):
         """Saved prompt-cache entries."""
-        try:
-            return self.backend.list_cache(request.model_key)
-        except Exception as exc:
-            context.abort(*_status(exc))
+        return await self._admin_call(context, lambda: self.backend.list_cache(request.model_key))
 
-    def ClearCache(self, request, context):
+    async def ClearCache(self, request, context):
         """Drop saved prompt-cache entries."""
-        try:
-            return pb.ClearCacheResponse(removed=self.backend.clear_cache(request.model_key))
-        except Exception as exc:
-            context.abort(*_status(exc))
+        removed = await self._admin_call(
+            context, lambda: self.backend.clear_cache(request.model_key)
+        )
+        return pb.ClearCacheResponse(removed=removed)
 
 
 class Server:
-    """A running gRPC front end over `backend` (start, ready, drain, stop)."""
+    """A running gRPC front end over `backend` (start, ready, drain, stop). Its methods may be
+    called from any thread; the server itself runs on its own event-loop thread."""
 
     def __init__(self, backend=None, host: str = "127.0.0.1", port: int = 1337,
-                 max_message_bytes: int = 16 << 20, max_streams: int = 96):  # fmt: skip
-        options = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ]
-        # one thread per open stream; past max_streams gRPC itself answers RESOURCE_EXHAUSTED
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + 8,
-                                                           thread_name_prefix="sanctum-grpc"),
-                                options=options, maximum_concurrent_rpcs=max_streams)  # fmt: skip
-        self.servicer = InferenceServicer(backend)
-        pb_grpc.add_InferenceServicer_to_server(self.servicer, self.grpc)
-        self.health = health.HealthServicer(experimental_non_blocking=True)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection(
-            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc
-        )
-        self._set_health(False)
-        self.port = self.grpc.add_insecure_port(f"{host}:{port}")
-        if not self.port:
-            raise OSError(f"cannot listen on {host}:{port}")
+                 max_message_bytes: int = 16 << 20, max_streams: int = 96, *,
+                 access: Access | None = None, limits: ConnectionLimits | None = None):  # fmt: skip
+        self.access = access or Access()
+        check_exposure(host, self.access)
+        limits = limits or ConnectionLimits()
+        self.servicer = InferenceServicer(backend, max_streams, limits.slow_client_s)
+        self._serving = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sanctum-grpc",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+        try:
+            self.port = self._call(self._start(host, port, max_message_bytes, limits))
+        except BaseException:
+            self._stop_loop()
+            raise
         self.address = f"{host}:{self.port}"
         self.backend = None
         if backend is not None:
             self.attach(backend)
-        self.grpc.start()
+
+    def _call(self, coro, timeout: float | None = None):
+        """Run `coro` on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _start(self, host: str, port: int, max_message_bytes: int,
+                     limits: ConnectionLimits) -> int:  # fmt: skip
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+            *limits.grpc_options(),
+        ]
+        self.grpc = grpc.aio.server(
+            interceptors=[Guard(self.access, limits.stream_idle_s)], options=options
+        )
+        pb_grpc.add_InferenceServicer_to_server(self.servicer, self.grpc)
+        self.health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(
+            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc
+        )
+        await self._apply_health()
+        address = f"{host}:{port}"
+        credentials = self.access.server_credentials()
+        bound = (
+            self.grpc.add_secure_port(address, credentials)
+            if credentials is not None
+            else self.grpc.add_insecure_port(address)
+        )
+        if not bound:
+            raise OSError(f"cannot listen on {address}")
+        await self.grpc.start()
+        return bound
 
     def attach(self, backend) -> None:
         """Serve from `backend` (health stays NOT_SERVING until `ready`)."""
         self.backend = self.servicer.backend = backend
         backend.on_health = self._set_health
 
-    def _set_health(self, serving: bool) -> None:
+    def _set_health(self, serving: bool, wait: bool = False) -> None:
+        """Report SERVING or NOT_SERVING (any thread; the latest call wins)."""
+        self._serving = serving
+        if not self._thread.is_alive():  # stopped: nobody to tell
+            return
+        if threading.current_thread() is self._thread:
+            self._loop.create_task(self._apply_health())
+            return
+        done = asyncio.run_coroutine_threadsafe(self._apply_health(), self._loop)
+        if wait:
+            done.result(10)
+
+    async def _apply_health(self) -> None:
         if self.servicer.draining:
             return
         status = (
             health_pb2.HealthCheckResponse.SERVING
-            if serving
+            if self._serving
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in ("", SERVICE):
-            self.health.set(name, status)
+            await self.health.set(name, status)
 
     def ready(self, timeout: float | None = None) -> None:
         """Wait for the backend's models, then report SERVING."""
         self.backend.ready(timeout)
-        self._set_health(True)
+        self._set_health(True, wait=True)
 
     def drain(self, timeout: float = 30.0) -> bool:
         """NOT_SERVING, refuse new requests, let in-flight ones finish (True if all did)."""
         self.servicer.draining = True
-        self.health.enter_graceful_shutdown()
+        self._call(self.health.enter_graceful_shutdown(), 10)
         finished = self.servicer.wait_idle(timeout)
         if not finished:
             log.warning("drain: requests still running after %.0f s; stopping anyway", timeout)
         return finished
 
     def stop(self, grace: float | None = 1.0) -> None:
-        self.grpc.stop(grace).wait()
+        """Stop serving (in-flight RPCs get `grace` seconds), then the loop thread."""
+        if self._thread.is_alive():
+            self._call(self.grpc.stop(grace))
+            self._stop_loop()
+        self.servicer.close()
 
-
-def serve(settings, host: str, port: int, inline: bool = False, drain_timeout: float = 30.0,
-          max_message_bytes: int = 16 << 20) -> int:  # fmt: skip
-    """`sanctum serve`: gRPC on host:port over the actor cluster (a local Ray, or RAY_ADDRESS)
-    or, with `inline`, over the roles in this process. Returns at the end of a drain."""
-    import os
-    import signal
-
-    logging.basicConfig(level=os.environ.get("SANCTUM_LOG", "INFO"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
-    stop = threading.Event()
-
-    def on_signals():  # again after ray.init, whose core worker installs its own SIGTERM handler
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-
-    on_signals()
-    ray_started = False
-    if not inline:
-        import ray
-
-        address = os.environ.get("RAY_ADDRESS") or None
-        from ..cluster.actors import LOCAL_RAY_SYSTEM_CONFIG
-
-        local = {} if address else {"_system_config": LOCAL_RAY_SYSTEM_CONFIG}
-        if not address and os.environ.get("SANCTUM_OBJECT_STORE_BYTES"):
-            local["object_store_memory"] = int(os.environ["SANCTUM_OBJECT_STORE_BYTES"])
-        # before the gRPC server starts: Ray forks its processes, gRPC prefers no fork after start
-        ray.init(address=address, namespace="sanctum", include_dashboard=False,
-                 log_to_driver=True, **local)  # fmt: skip
-        ray_started = True
-        on_signals()
-    try:
-        streams = settings.max_active + settings.max_queue + 8
-        server = Server(None, host, port, max_message_bytes, max_streams=streams)
-        log.info("listening on %s (NOT_SERVING until the models are loaded)", server.address)
-        if inline:
-            from ..cluster.backend import InlineBackend
-
-            backend = InlineBackend(settings)
-        else:
-            from ..cluster.actors import start_cluster
-
-            backend = start_cluster(settings)
-        server.attach(backend)
-        server.ready()
-        print(f"sanctum: serving {settings.engine.model} on {server.address} "
-              f"({backend.mode})", flush=True)  # fmt: skip
-        while not stop.wait(0.25):  # a timeout: a signal landing on another thread still runs
-            pass  # its Python handler only when the main thread wakes
-        log.info("draining: health NOT_SERVING, new requests refused, in-flight ones finishing")
-        server.drain(drain_timeout)
-        server.stop(grace=1.0)
-        backend.close()
-        return 0
-    finally:
-        if ray_started:
-            import ray
-
-            ray.shutdown()
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

@@ -29,6 +29,7 @@ from .radix import RadixTree
 
 log = logging.getLogger("sanctum.cache")
 FORMAT_VERSION = 1
+PRIVATE_FILE = 0o600  # entries and their metadata: only the serving user may read them
 
 
 @dataclass
@@ -92,7 +93,9 @@ class PromptStore:
         self._lock = threading.RLock()
         self.stats = {"lookups": 0, "hits": 0, "evictions": 0, "skipped_files": 0}
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            # private: the entries hold the conversations in clear
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.directory, 0o700)
             self._load_directory()
 
     # ---- queries -----------------------------------------------------------------------
@@ -204,6 +207,7 @@ class PromptStore:
         base = self.directory / entry.entry_id
         tmp = base.with_suffix(".tmp.safetensors")
         mx.save_safetensors(str(tmp), tensors)
+        os.chmod(tmp, PRIVATE_FILE)
         digest = _file_digest(tmp)
         os.replace(tmp, base.with_suffix(".safetensors"))
         meta = {
@@ -219,7 +223,9 @@ class PromptStore:
             "digest": digest,
         }
         tmp_meta = base.with_suffix(".tmp.msgpack")
-        tmp_meta.write_bytes(msgpack.packb(meta))
+        fd = os.open(tmp_meta, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgpack.packb(meta))
         os.replace(tmp_meta, base.with_suffix(".msgpack"))
 
     def _load_directory(self) -> None:
@@ -235,6 +241,9 @@ class PromptStore:
         for entry in sorted(loaded, key=lambda e: e.created):
             if self._bytes + entry.nbytes <= self.max_bytes:
                 self._insert(entry)
+        for kept in self.directory.iterdir():  # files an older version wrote readable by all
+            if kept.is_file() and kept.stat().st_mode & 0o077:
+                os.chmod(kept, PRIVATE_FILE)
         for stray in self.directory.glob("*.tmp.*"):
             stray.unlink(missing_ok=True)
 

@@ -36,17 +36,11 @@ from ..config import OPENBLAS_IDLE_SPIN
 from ..requests import Limits
 from .backend import ServeSettings, make_verifier, stats_message, target_shape
 from .events import EventClient, EventServer, ends, error_event, error_from_wire, to_event
+from .localray import LOCAL_RAY_SYSTEM_CONFIG  # noqa: F401  (where callers found it)
 from .scheduler import InternalError, Unavailable
 from .transport import ChannelBroken
 
 log = logging.getLogger("sanctum.cluster")
-
-
-# Ray starts its worker processes at niceness 15 (its `worker_niceness` setting), so the role
-# processes would lose every contest for a core to the front end and Ray's own daemons (measured:
-# the verifier's forward ~10% slower on a 2-core machine). A local cluster we start runs them at
-# 0; on a cluster started elsewhere each role tries to lower its own (see `_setup_process`).
-LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
 def _setup_process() -> None:
@@ -123,6 +117,10 @@ class DrafterActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def close(self) -> None:
+        """Remove the socket (and its directory) before the actor is killed."""
+        self.server.close()
+
 
 @ray.remote
 class StoreActor:
@@ -194,10 +192,9 @@ class VerifierActor:
         log.info("verifier: %s loaded; drafter transport %s", settings.engine.model,
                  self.peer.kind if self.peer else "none")  # fmt: skip
 
-    def ready(self) -> tuple:
-        """Request limits (vocab_size, max_context, max_tokens), once the models are loaded."""
-        lim = self.verifier.limits
-        return lim.vocab_size, lim.max_context, lim.max_tokens
+    def ready(self) -> Limits:
+        """The request limits, once the models are loaded."""
+        return self.verifier.limits
 
     def events_address(self) -> tuple[str, bytes, str]:
         """(Unix socket, authkey, node id): a front end on this host takes its requests' events
@@ -242,6 +239,10 @@ class VerifierActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def close(self) -> None:
+        """Stop taking front ends; remove the socket (and its directory) before the kill."""
+        self.events.close()
 
 
 # ---- the front end's side ------------------------------------------------------------------
@@ -320,8 +321,11 @@ class ClusterBackend:
         self.settings = settings
         self.verifier, self.drafter, self.store = verifier, drafter, store
         self.on_health = None  # callable(bool): the server flips health while the verifier restarts
-        self.limits = None
+        self.limits: Limits | None = None
         self._watching = threading.Lock()
+        self._restarting = False  # from the verifier's death until it serves again
+        self._closing = False
+        self._probe: threading.Thread | None = None
         # how requests' events come back: "socket" (one connection, same host: events.py) or
         # "ray" (a Ray stream per request); None until known (again after a verifier restart)
         self.events_path: str | None = None
@@ -330,8 +334,27 @@ class ClusterBackend:
 
     def ready(self, timeout: float | None = None) -> None:
         """Block until the verifier (and through it the drafter and store) has loaded."""
-        self.limits = Limits(*ray.get(self.verifier.ready.remote(), timeout=timeout))
+        self.limits = ray.get(self.verifier.ready.remote(), timeout=timeout)
         self._event_client(timeout)
+        self._restarting = False
+        if self.events_path == "ray" and self._probe is None:
+            self._probe = threading.Thread(target=self._probe_loop, name="sanctum-verifier-probe",
+                                           daemon=True)  # fmt: skip
+            self._probe.start()
+
+    def _probe_loop(self, every_s: float = 1.0) -> None:
+        """Without the event socket (the verifier on another host) nothing hangs up when the
+        verifier dies: ask it for its pid every second instead."""
+        while not self._closing:
+            time.sleep(every_s)
+            if not ray.is_initialized():  # shut down (a call now would start a new Ray)
+                return
+            if self.events_path != "ray" or self._restarting:
+                continue
+            try:
+                ray.get(self.verifier.pid.remote(), timeout=10)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self._verifier_lost()
 
     def _event_client(self, timeout: float | None = 60.0) -> EventClient | None:
         """The connection for events when the verifier is on this host; None: Ray streams."""
@@ -353,14 +376,16 @@ class ClusterBackend:
             ):
                 self.events_path = "ray"
                 return None
-            try:
-                self._events = EventClient(address, authkey)
+            try:  # its hang-up is how a dead verifier is noticed, requests in flight or not
+                self._events = EventClient(address, authkey, on_lost=self._verifier_lost)
             except OSError as exc:
                 raise Unavailable(f"cannot reach the verifier's event socket: {exc}") from None
             self.events_path = "socket"
             return self._events
 
     def submit(self, req, mode: str = "streaming", deadline: float | None = None):
+        if self._restarting:  # fail fast: waiting for the restart would hold the caller ~15 s
+            raise Unavailable("the verifier is restarting; retry shortly")
         sub = roles.Submit(request=request_to_proto(req), request_id=req.request_id, mode=mode,
                            deadline_unix=deadline or 0.0)  # fmt: skip
         events = self._event_client()
@@ -400,8 +425,10 @@ class ClusterBackend:
 
     def _verifier_lost(self) -> None:
         """Report NOT_SERVING until the restarted verifier has loaded its models."""
-        if not self._watching.acquire(blocking=False):
+        if self._closing or not self._watching.acquire(blocking=False):
             return
+        self._restarting = True
+        log.warning("verifier: lost; NOT_SERVING until it is back")
         with self._events_lock:
             if self.events_path == "ray":  # the restarted verifier may run on another host
                 self.events_path = None
@@ -410,15 +437,16 @@ class ClusterBackend:
 
         def watch():
             try:
-                while True:
+                while not self._closing and ray.is_initialized():  # (else Ray would auto-init)
                     try:
                         self.ready(timeout=60)
-                        break
                     except Exception:
                         time.sleep(0.5)
-                log.info("verifier: back after a restart")
-                if self.on_health:
-                    self.on_health(True)
+                        continue
+                    log.info("verifier: back after a restart")
+                    if self.on_health:
+                        self.on_health(True)
+                    return
             finally:
                 self._watching.release()
 
@@ -466,8 +494,13 @@ class ClusterBackend:
         return {k: ray.get(h.pid.remote(), timeout=60) for k, h in handles.items() if h is not None}
 
     def close(self) -> None:
+        self._closing = True
         if self._events is not None:
             self._events.close()
+        # their sockets first: a killed actor runs no cleanup (a later start sweeps what is left)
+        closing = [h.close.remote() for h in (self.verifier, self.drafter) if h is not None]
+        with contextlib.suppress(Exception):
+            ray.get(closing, timeout=5)
         for h in (self.verifier, self.drafter, self.store):
             if h is not None:
                 with contextlib.suppress(Exception):  # already gone

@@ -17,7 +17,8 @@ with it the front end's and the sender's work together came to ~0.3 ms of CPU a 
   since its last send in one message (so the MLX thread never waits on a slow reader). When a
   front end goes away, its open requests are cancelled.
 - `EventClient` (front end): the connection and a reader thread handing each event to its
-  request's queue; when the verifier goes away every open request gets `LOST`.
+  request's queue; when the verifier goes away every open request gets `LOST`, and `on_lost`
+  tells the front end at once (health turns NOT_SERVING), whether requests were open or not.
 
 Ray-free: cluster/actors.py wires it up.
 """
@@ -37,7 +38,8 @@ from ..api.convert import chunk_to_proto
 from ..api.gen import roles_pb2 as roles
 from ..requests import InvalidRequest
 from .scheduler import End, InternalError, QueueFull, Unavailable
-from .transport import ChannelBroken, UnixListener
+from .sockets import UnixListener
+from .transport import ChannelBroken
 
 log = logging.getLogger("sanctum.events")
 
@@ -223,8 +225,9 @@ class EventClient:
     """The front end's connection to the verifier actor on its host. Thread-safe: every gRPC
     handler thread submits on it; one reader thread routes the events."""
 
-    def __init__(self, address: str, authkey: bytes):
+    def __init__(self, address: str, authkey: bytes, on_lost: Callable[[], None] | None = None):
         self.conn = Client(address, family="AF_UNIX", authkey=authkey)
+        self.on_lost = on_lost  # called once if the verifier hangs up (not after `close`)
         self._queues: dict[str, queue.SimpleQueue] = {}
         self._lock = threading.Lock()  # the queues
         self._send_lock = threading.Lock()
@@ -274,7 +277,10 @@ class EventClient:
     def _read_loop(self) -> None:
         read_messages(self.conn, roles.VerifierEvents.FromString, self._route,
                       "unreadable message from the verifier")  # fmt: skip
+        hung_up = not self.broken
         self.close()
+        if hung_up and self.on_lost is not None:
+            self.on_lost()
 
     def _route(self, msg: roles.VerifierEvents) -> None:
         with self._lock:

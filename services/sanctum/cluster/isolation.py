@@ -153,8 +153,9 @@ def _concurrent(backends: dict, prompts: list[str], clients: int, max_tokens: in
 def run(args) -> dict:
     import ray
 
-    from .actors import LOCAL_RAY_SYSTEM_CONFIG, role_blas_threads, start_cluster, usable_cpus
+    from .actors import role_blas_threads, start_cluster, usable_cpus
     from .backend import InlineBackend, serve_settings
+    from .localray import init_local_ray
 
     settings = serve_settings(args.model, args.drafter, args.block_size, args.bits, args.kv,
                               cache_dir="none", transport=args.transport,
@@ -162,8 +163,7 @@ def run(args) -> dict:
     prompts = args.prompts or list(DEFAULT_PROMPTS)
     inline = InlineBackend(settings)
     inline.ready()
-    ray.init(namespace=f"sanctum-bench-{os.getpid()}", include_dashboard=False,
-             log_to_driver=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # fmt: skip
+    init_local_ray(namespace=f"sanctum-bench-{os.getpid()}", log_to_driver=False)
     try:
         cluster = start_cluster(settings)
         cluster.ready(600)

@@ -1,8 +1,11 @@
 """Interleaving requests on one verifier: one worker thread owns MLX and runs one round of each
 open request in turn, and one slice of each prompt still being prefilled (a long prompt pauses
 the other streams for a slice at a time, not for all of it); request handlers only enqueue and
-read their own ticket (as mlx-lm's server does). The same scheduler runs inline (in the serving
-process) and inside the verifier actor. Ray-free and gRPC-free.
+read their own ticket (as mlx-lm's server does). Preparing a request (validation, tokenization,
+chat rendering) runs on a small pool of other threads first, so a large prompt never holds up the
+rounds: no request delays another's next round by more than one round plus one prefill slice.
+The same scheduler runs inline (in the serving process) and inside the verifier actor.
+Ray-free and gRPC-free.
 
 Contract: `submit` returns a `Ticket` at once (or raises `QueueFull` / `Unavailable`); the
 ticket yields the request's chunks in order (the first from prefill, then one per round) and
@@ -18,14 +21,23 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..requests import Chunk, GenerateRequest, InvalidRequest
 
 log = logging.getLogger("sanctum.scheduler")
 
-# Prompt tokens prefilled per turn of the worker loop before the decoding requests get a round.
+# Prompt tokens prefilled per turn of the worker loop before the decoding requests get a round,
+# and fewer when they would take longer than PREFILL_SLICE_S, judged by the cost per token of
+# the request's last slice: attention makes each token dearer as the context grows (default pair
+# on 2 cores: 512 tokens took 0.4 s at the start of an 18K-token chat, 1.9 s at its end).
 PREFILL_SLICE = int(os.environ.get("SANCTUM_PREFILL_SLICE", 512))
+PREFILL_SLICE_S = float(os.environ.get("SANCTUM_PREFILL_SLICE_MS", 250)) / 1000.0
+MIN_PREFILL_SLICE = 64  # a forward has a fixed cost too: fewer tokens would mostly pay that
+# Threads that prepare requests (the tokenizer releases the GIL): two, so one huge prompt
+# being tokenized does not hold up every other request's admission.
+PREPARE_THREADS = 2
 
 
 class QueueFull(RuntimeError):
@@ -59,6 +71,7 @@ class Ticket:
     # where the worker thread puts the items: a queue the handler reads, or any object with
     # `put` (the verifier actor's socket sink, cluster/events.py)
     items: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    prepared: object = None  # the verifier's Prepared, once a preparing thread made it
 
     @property
     def request_id(self) -> str:
@@ -107,13 +120,18 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[Ticket] = deque()
         self._active: dict[str, tuple[object, Ticket]] = {}
+        self._preparing: set[str] = set()  # accepted, being tokenized: not yet _waiting
         self._opening: set[str] = set()  # admitted, being begun: not _waiting, not _active
         self._prefilling: dict[str, tuple[object, Ticket]] = {}  # prompt tokens still to run
         self.prefill_slice = max(1, prefill_slice)
+        self.prefill_slice_s = PREFILL_SLICE_S
+        self._token_cost: dict[str, float] = {}  # request id -> seconds a token, its last slice
+        self._last_token_cost: float | None = None  # any request's: for a first slice
         self._tickets: dict[str, Ticket] = {}
         self._accepting = True
         self._stopped = False
         self.counters = {"cancelled": 0, "rejected": 0, "failed": 0, "finished": 0}
+        self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="sanctum-prep")
         self._thread = threading.Thread(
             target=self._run, args=(load,), name="sanctum-mlx", daemon=True
         )
@@ -136,7 +154,8 @@ class Scheduler:
         deadline: float | None = None,
         sink=None,
     ) -> Ticket:
-        """Queue `req`; its items go to the returned ticket's queue, or to `sink.put`."""
+        """Accept `req` (its preparation starts on another thread); its items go to the returned
+        ticket's queue, or to `sink.put`."""
         ticket = Ticket(
             req, mode, deadline, items=sink if sink is not None else queue.SimpleQueue()
         )
@@ -147,12 +166,40 @@ class Scheduler:
                 raise InvalidRequest("request_id", f"{req.request_id!r} is already in use")
             if self._load() >= self.max_active + self.max_queue:
                 self.counters["rejected"] += 1
-                raise QueueFull(f"queue full: {len(self._active)} requests decoding and "
-                                f"{len(self._waiting)} waiting")  # fmt: skip
-            self._waiting.append(ticket)
+                counts = self._counts()
+                raise QueueFull(
+                    f"queue full: {counts['active']} requests in progress and "
+                    f"{counts['waiting']} waiting (at most {self.max_active} in progress and "
+                    f"{self.max_queue} waiting); retry later"
+                )
+            self._preparing.add(req.request_id)
             self._tickets[req.request_id] = ticket
-            self._cv.notify()
+        self._prepare_pool.submit(self._prepare, ticket)
         return ticket
+
+    def _prepare(self, ticket: Ticket) -> None:
+        """On a preparing thread: tokenize, then queue the ticket for the model's thread."""
+        rid = ticket.request_id
+        self._ready.wait()
+        if self.verifier is None:
+            return self._finish(rid, ticket, Unavailable("the models failed to load"))
+        try:
+            prepared = self.verifier.prepare(ticket.request)
+        except InvalidRequest as exc:
+            return self._finish(rid, ticket, exc)
+        except Exception as exc:
+            log.exception("request %s failed in preparation", rid)
+            self.counters["failed"] += 1
+            return self._finish(rid, ticket, InternalError(f"{exc.__class__.__name__}: {exc}"))
+        with self._cv:
+            self._preparing.discard(rid)
+            if self._stopped:  # the worker thread may be parked for good: end it here
+                ticket.items.put(Unavailable("the server is shutting down"))
+                self._tickets.pop(rid, None)
+                return
+            ticket.prepared = prepared
+            self._waiting.append(ticket)
+            self._cv.notify()
 
     def cancel(self, request_id: str) -> bool:
         with self._cv:
@@ -165,8 +212,13 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self._cv:
-            active = len(self._active) + len(self._opening) + len(self._prefilling)
-            return {"active": active, "waiting": len(self._waiting), **self.counters}
+            return {**self._counts(), **self.counters}
+
+    def _counts(self) -> dict:
+        """Requests in progress (begun, prefilling or decoding) and waiting (being prepared,
+        or queued for a slot): the same figures in stats and in QueueFull's message."""
+        active = len(self._active) + len(self._opening) + len(self._prefilling)
+        return {"active": active, "waiting": len(self._waiting) + len(self._preparing)}
 
     def stop_accepting(self) -> None:
         with self._cv:
@@ -177,7 +229,8 @@ class Scheduler:
             return self._load() == 0
 
     def _load(self) -> int:
-        return len(self._waiting) + len(self._active) + len(self._opening) + len(self._prefilling)
+        counts = self._counts()
+        return counts["active"] + counts["waiting"]
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Cancel everything; the worker thread closes the open requests, then parks."""
@@ -187,6 +240,7 @@ class Scheduler:
                 t.cancel()
             self._stopped = True
             self._cv.notify()
+        self._prepare_pool.shutdown(wait=False)
         if self._ready.is_set() and self._load_error is None:
             self._parked.wait(timeout)
 
@@ -235,7 +289,9 @@ class Scheduler:
             self._active.pop(request_id, None)
             self._prefilling.pop(request_id, None)
             self._opening.discard(request_id)
+            self._preparing.discard(request_id)
             self._tickets.pop(request_id, None)
+            self._token_cost.pop(request_id, None)
         ticket.items.put(item)
 
     def _reap_cancelled(self) -> None:
@@ -263,7 +319,7 @@ class Scheduler:
             self.counters["cancelled"] += 1
             return self._finish(rid, ticket)
         try:
-            act = self.verifier.begin(ticket.request, ticket.mode)
+            act = self.verifier.begin(ticket.prepared, ticket.mode)
         except InvalidRequest as exc:
             return self._finish(rid, ticket, exc)
         except Exception as exc:
@@ -281,12 +337,26 @@ class Scheduler:
         self.counters["failed"] += 1
         self._finish(request_id, ticket, InternalError(f"{exc.__class__.__name__}: {exc}"))
 
+    def _slice(self, request_id: str) -> int:
+        """Prompt tokens for the request's next slice: PREFILL_SLICE, or what fits the time."""
+        cost = self._token_cost.get(request_id, self._last_token_cost)
+        if not cost:
+            return self.prefill_slice
+        fits = int(self.prefill_slice_s / cost)
+        return max(min(MIN_PREFILL_SLICE, self.prefill_slice), min(self.prefill_slice, fits))
+
     def _prefill(self, request_id: str) -> None:
         act, ticket = self._prefilling[request_id]
+        budget = self._slice(request_id)
+        tokens = min(budget, act.prompt_left)
+        t0 = time.perf_counter()
         try:
-            chunk = self.verifier.prefill_some(act, self.prefill_slice)
+            chunk = self.verifier.prefill_some(act, budget)
         except Exception as exc:
             return self._fail(request_id, act, ticket, exc, "in prefill")
+        if tokens > 0:
+            cost = (time.perf_counter() - t0) / tokens
+            self._token_cost[request_id] = self._last_token_cost = cost
         if chunk is None:
             return  # more of the prompt next time round
         ticket.items.put(chunk)

@@ -32,12 +32,13 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
-from multiprocessing.connection import Client, Listener, wait
+from multiprocessing.connection import Client, wait
 
 import mlx.core as mx
 import numpy as np
 
 from ..api.gen import roles_pb2 as roles
+from .sockets import UnixListener
 
 log = logging.getLogger("sanctum.transport")
 ALIGN = 64  # byte alignment of tensors in a slot
@@ -142,40 +143,6 @@ class Slot:
 
 
 # ---- a Unix-socket listener (the drafter's channel, the verifier's event socket) -------------
-
-
-class UnixListener:
-    """Accepts authenticated connections (HMAC `authkey`) on a fresh Unix socket in a private
-    temporary directory, and hands each to `on_connection(conn)` from its own thread."""
-
-    def __init__(self, on_connection, what: str):
-        import tempfile
-
-        self.on_connection, self.what = on_connection, what
-        self.authkey = secrets.token_bytes(32)
-        # short path: Unix socket paths are limited to ~104 bytes on macOS
-        self._dir = tempfile.mkdtemp(prefix="snc-")
-        self.address = os.path.join(self._dir, "s.sock")
-        self.listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
-        os.chmod(self.address, 0o600)
-        threading.Thread(target=self._accept_loop, name=f"snc-{what}", daemon=True).start()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn = self.listener.accept()
-            except OSError:
-                return  # listener closed
-            except Exception as exc:
-                log.warning("%s: rejected a connection (%s)", self.what, exc.__class__.__name__)
-                continue
-            self.on_connection(conn)
-
-    def close(self) -> None:
-        self.listener.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.address)
-            os.rmdir(self._dir)
 
 
 # ---- drafter side: serving DraftRequests over Unix sockets ---------------------------------

@@ -3,7 +3,8 @@ prompt cache and saving back to it, speculating through a drafter peer when ther
 
 Ray-free and gRPC-free: the cluster's verifier actor wraps this object, and inline mode uses it
 as is. Its peers (drafter body, ladder store) are plain objects or actor proxies; it cannot tell.
-Requests are opened, stepped one round at a time (so a scheduler can interleave them) and closed.
+Requests are prepared (validated, tokenized, chat rendered: no MLX, any thread), opened, stepped
+one round at a time (so a scheduler can interleave them) and closed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from ..cache.store import ResumePlan
 from ..engine.drafter import Drafter
 from ..engine.speculative import Decoder, DraftPeer, Sequence, make_key
 from ..engine.target import Target, VerifyTape, cache_offset
-from ..requests import Chunk, GenerateRequest, Limits, Usage, check_prompt_length, validate
+from ..requests import (
+    Chunk,
+    GenerateRequest,
+    Limits,
+    Usage,
+    check_prompt_length,
+    longest_token_chars,
+    validate,
+)
 from ..tokenizer import Reencoder, TextStream, message_starts, render_chat
 
 log = logging.getLogger("sanctum.verifier")
@@ -69,6 +78,16 @@ class ReencodingWatch:
             return
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for the model: what `Verifier.prepare` computed off the model's thread."""
+
+    req: GenerateRequest
+    prompt_ids: list[int]
+    message_starts: list[int]
+    started: float  # time.perf_counter() when preparation began (TTFT counts from there)
+
+
 @dataclass
 class Active:
     """One open request on the verifier."""
@@ -89,6 +108,11 @@ class Active:
     @property
     def finished(self) -> bool:
         return self.seq.finished is not None
+
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens still to prefill."""
+        return len(self.prompt_ids) - len(self.seq.cached_tokens)
 
 
 @dataclass
@@ -132,7 +156,8 @@ class Verifier:
         self.store = store
         self.ladder_depth = ladder_depth
         self.kv_mode = kv_mode
-        self.limits = Limits(target.vocab_size, target.max_context, max_tokens_limit)
+        self.limits = Limits(target.vocab_size, target.max_context, max_tokens_limit,
+                             longest_token_chars(target.tokenizer))  # fmt: skip
         self.eos_ids = set(target.tokenizer.eos_token_ids)
         self.metrics = Metrics()
         self.model_id = str(target.path) if target.path else f"model-{id(target):x}"
@@ -149,24 +174,33 @@ class Verifier:
         if req.messages is not None:
             messages = [dict(m) for m in req.messages]
             text = render_chat(tok, messages)
-            return tok.encode(text, add_special_tokens=False), message_starts(tok, messages)
+            ids = tok.encode(text, add_special_tokens=False)
+            return ids, message_starts(tok, messages, ids)
         return tok.encode(req.prompt, add_special_tokens=False), []
 
     def open(self, req: GenerateRequest, mode: str = "sync") -> tuple[Active, Chunk]:
         """Validate, resume from the cache, prefill (stopping at rungs), commit the first token."""
-        act = self.begin(req, mode)
+        act = self.begin(self.prepare(req), mode)
         chunk = None
         while chunk is None:
             chunk = self.prefill_some(act)
         return act, chunk
 
-    def begin(self, req: GenerateRequest, mode: str = "sync") -> Active:
-        """Validate and resume from the cache; the prompt's remaining tokens are then prefilled
-        by `prefill_some` (in slices, so a scheduler can run other requests' rounds between)."""
-        validate(req, self.limits)
+    def prepare(self, req: GenerateRequest) -> Prepared:
+        """Validate and tokenize (render a chat, find its message starts): text work only, no
+        MLX and no shared state, so any thread may run it and the model's thread never waits on
+        a large prompt. Raises InvalidRequest."""
         started = time.perf_counter()
+        validate(req, self.limits)
         prompt_ids, starts = self.tokenize(req)
         check_prompt_length(len(prompt_ids), req, self.limits)
+        return Prepared(req, prompt_ids, starts, started)
+
+    def begin(self, prep: Prepared, mode: str = "sync") -> Active:
+        """Resume a prepared request from the cache (on the model's thread); the prompt's
+        remaining tokens are then prefilled by `prefill_some` (in slices, so a scheduler can run
+        other requests' rounds between)."""
+        req, prompt_ids, starts = prep.req, prep.prompt_ids, prep.message_starts
         kv = req.kv_mode or self.kv_mode
         seq = self.decoder.new_sequence(req.request_id, kv)
         plan = ResumePlan(0, 0)
@@ -187,7 +221,7 @@ class Verifier:
             mode=mode,
         )
         act = Active(req, seq, TextStream(self.target.tokenizer, list(req.stop)),
-                     make_key(req.seed), usage, prompt_ids, starts, plan, started=started)  # fmt: skip
+                     make_key(req.seed), usage, prompt_ids, starts, plan, started=prep.started)  # fmt: skip
         if self.store is not None:
             act.stops = prefill_stops(self.ladder_depth, len(prompt_ids), plan.resumed_at, starts)
         if self.store is not None and req.use_cache and req.messages is not None:
