@@ -129,6 +129,7 @@ def chunked_gated_delta(
     (k, cumulative log-decay, v_new) for `state_after`."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
+    out_dtype = v.dtype  # the activations' (bf16 model: bf16); the math below runs in float32
     if (r := Hv // Hk) > 1:
         q, k = mx.repeat(q, r, -2), mx.repeat(k, r, -2)
     C = min(chunk, 1 << max(0, (T - 1).bit_length()))
@@ -179,8 +180,8 @@ def chunked_gated_delta(
     if parts:
         if N != 1:
             raise ValueError("parts are for one-chunk passes (a verify block)")
-        return y.astype(v.dtype), S.swapaxes(-1, -2), (k[:, :, 0], decay[:, :, 0], v_new)
-    return y.astype(v.dtype), S.swapaxes(-1, -2)
+        return y.astype(out_dtype), S.swapaxes(-1, -2), (k[:, :, 0], decay[:, :, 0], v_new)
+    return y.astype(out_dtype), S.swapaxes(-1, -2)
 
 
 def _project(mod: nn.Module, x: mx.array):
