@@ -187,15 +187,19 @@ class Target:
         stops: tuple[int, ...] = (),
         on_stop=None,
         chunk: int = PREFILL_CHUNK,
+        split_last: bool = True,
     ) -> tuple[mx.array, list[mx.array]]:
         """Run the prompt in forward calls that end at every position in `stops` (absolute token
         counts, e.g. ladder rungs) and at most `chunk` tokens apart. After a call that ends at a
         stop, `on_stop(position)` runs (to snapshot state there: rungs can only sit at forward-call
         boundaries). Returns the last row's logits ([1, V]) and the taps of each call.
+        With `split_last` the last token runs alone, as in mlx-lm's generate_step: the first
+        completion token then comes from a one-row step, bit for bit what mlx-lm decodes.
         """
         start = cache_offset(cache)
         end = start + len(tokens)
-        cuts = sorted({p for p in stops if start < p <= end} | {end})
+        last = {end - 1} if split_last and end - 1 > start else set()
+        cuts = sorted({p for p in stops if start < p <= end} | {end} | last)
         taps_out, logits, pos = [], None, start
         for cut in cuts:
             while pos < cut:
@@ -209,6 +213,14 @@ class Target:
             if on_stop is not None and cut in stops:
                 on_stop(cut)
         return logits, taps_out
+
+    def truncate(self, cache: list, offset: int, states: list[tuple[mx.array, mx.array]]) -> None:
+        """Undo the last forward calls: attention KV trimmed to `offset` tokens, GDN layers back
+        to `states` (what `recurrent_state` returned at that offset)."""
+        for c in cache:
+            if not isinstance(c, ArraysCache) and c.offset > offset:
+                c.trim(c.offset - offset)
+        self.restore_recurrent_state(cache, states)
 
     # ---- recurrent snapshots ------------------------------------------------------------
     def recurrent_state(self, cache: list) -> list[tuple[mx.array, mx.array]]:
