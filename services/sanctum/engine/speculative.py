@@ -19,11 +19,11 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import mlx.core as mx
 
 from .drafter import Drafter, DraftHead
+from .peer import MAX_PENDING_TAP_ROWS, DraftPeer, DraftUnavailable, LocalDraftPeer
 from .sampling import (
     SamplingParams,
     accept_greedy,
@@ -33,60 +33,6 @@ from .sampling import (
     sample,
 )
 from .target import Target, VerifyTape, cache_offset
-
-# Rows of taps kept for a drafter that went away, replayed as its context when it returns.
-MAX_PENDING_TAP_ROWS = 4096
-
-
-class DraftUnavailable(RuntimeError):
-    """The drafter cannot answer now (its process died or is restarting): decode plainly."""
-
-
-class DraftPeer(Protocol):
-    """What the verifier needs from the drafter body, wherever it runs.
-
-    A peer in another process is `pipelined`: it also has `submit` (same arguments as `draft`,
-    returns a handle at once), `collect(handle) -> hidden` and `discard(handle)`, so that the
-    decoder can ask for a sequence's next block as soon as a round's tokens are accepted and
-    roll back its caches while the drafter computes."""
-
-    pipelined: bool
-
-    def open(self, seq_id: str) -> None: ...
-
-    def draft(
-        self, seq_id: str, new_taps: mx.array | None, block_embeds: mx.array, start: int
-    ) -> mx.array:
-        """new_taps [C, n_taps*H] of rows start-C..start-1, block_embeds [L, H] -> hidden [L-1, H]."""
-        ...
-
-    def close(self, seq_id: str) -> None: ...
-
-
-class LocalDraftPeer:
-    """The drafter body in this process, with one context cache per open sequence. Not
-    pipelined: one thread would run the draft and the rollback one after the other anyway."""
-
-    pipelined = False
-
-    def __init__(self, drafter: Drafter):
-        self.body = drafter.body
-        self.caches: dict[str, list] = {}
-
-    def open(self, seq_id: str) -> None:
-        self.caches[seq_id] = self.body.make_cache()
-
-    def draft(self, seq_id, new_taps, block_embeds, start):
-        if seq_id not in self.caches:
-            raise DraftUnavailable(f"sequence {seq_id} is not open on this drafter")
-        if new_taps is not None and (keep := self.body.context_rows_needed()) is not None:
-            new_taps = new_taps[-keep:]
-        taps = new_taps[None] if new_taps is not None else None
-        hidden = self.body(block_embeds[None], start, taps, self.caches[seq_id])
-        return hidden[0, 1:]
-
-    def close(self, seq_id: str) -> None:
-        self.caches.pop(seq_id, None)
 
 
 @dataclass
@@ -477,14 +423,17 @@ def generate(
     kv_mode: str = "fp16",
     eos_ids: set[int] | None = None,
     stop_check: StopCheck | None = None,
+    profile: bool = False,
 ) -> Iterator[Step]:
-    """Decode `prompt_ids` in this process (speculatively when a drafter is given)."""
+    """Decode `prompt_ids` in this process (speculatively when a drafter is given); `profile`:
+    sync each phase of a round, for an exact round split."""
     if not prompt_ids:
         raise ValueError("prompt is empty")
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
     sampling = sampling or SamplingParams()
     decoder = Decoder(target, drafter, LocalDraftPeer(drafter) if drafter else None, block_size)
+    decoder.profile = profile
     eos = set(target.tokenizer.eos_token_ids) if eos_ids is None else eos_ids
     seq = decoder.new_sequence("local", kv_mode)
     key = make_key(sampling.seed)
