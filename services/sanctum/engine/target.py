@@ -17,6 +17,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
+from . import cuda
 from .gdn import COMPILE_MAX_ROWS, GDNTape, gdn_forward
 
 # mlx-lm model types whose layers are all full attention or Gated DeltaNet.
@@ -98,6 +99,12 @@ class Target:
         self._compiled_mlp: dict = {}
         max_pos = text_config.get("max_position_embeddings") or 32768
         self.max_context = int(max_pos)
+        self.dtype = self.embed_tokens(mx.array([0])).dtype  # the activations'
+        # 8-bit KV read through dequantized copies (MLX CUDA lacks the quantized attention)
+        self.dequantize_q8 = cuda.q8_dequantized()
+        mixers = [layer.linear_attn for layer, g in zip(self.layers, self.is_gdn) if g]
+        shapes = {(m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim) for m in mixers}
+        cuda.prepare(shapes, self.dtype)  # on CUDA: check the fused GDN kernel on these
 
     # ---- caches -------------------------------------------------------------------------
     def make_cache(self, kv_mode: str = "fp16") -> list:
@@ -137,6 +144,8 @@ class Target:
             if self.is_gdn[i]:
                 r = gdn_forward(layer.linear_attn, layer.input_layernorm(h), c, tape)
             else:
+                if self.dequantize_q8 and isinstance(c, QuantizedKVCache):
+                    c = DequantizedView(c)
                 r = layer.self_attn(layer.input_layernorm(h), attn_mask, c)
             h = self._residual_mlp(layer, h, r)
             if i in wanted:
@@ -233,6 +242,26 @@ class Target:
             raise ValueError(f"snapshot has {len(states)} GDN layers, model has {len(gdn_ids)}")
         for i, (conv, state) in zip(gdn_ids, states):
             cache[i][0], cache[i][1] = conv, state
+
+
+class DequantizedView:
+    """An 8-bit KV cache as mlx-lm's attention sees it when MLX lacks the quantized attention
+    kernel (CUDA): the new K/V are stored 8-bit as usual, and the attention gets dequantized
+    copies ([B, kv_heads, T, head_dim], the scales' dtype). Having no `bits` attribute, it sends
+    mlx-lm's SDPA down the plain path."""
+
+    def __init__(self, cache: QuantizedKVCache):
+        self.cache = cache
+
+    @property
+    def offset(self) -> int:
+        return self.cache.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        c = self.cache
+        qk, qv = c.update_and_fetch(keys, values)
+        return (mx.dequantize(*qk, group_size=c.group_size, bits=c.bits),
+                mx.dequantize(*qv, group_size=c.group_size, bits=c.bits))  # fmt: skip
 
 
 def _residual_mlp(layer, h: mx.array, r: mx.array) -> mx.array:

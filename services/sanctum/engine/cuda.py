@@ -1,0 +1,98 @@
+"""What runs differently on NVIDIA GPUs (MLX's CUDA backend), decided once, at import and at
+load, and said loudly (log lines, and `report()` for the benchmarks).
+
+- cuDNN SDPA off: MLX sends multi-row bf16/fp16 attention with head_dim <= 128 to cuDNN, which
+  builds an execution plan for every new key length (every verify round, every draft: ~20 ms
+  each on public measurements) and aborts the process once its plan cache has missed 512 times.
+  Importing this module sets MLX_CUDA_USE_CUDNN_SDPA=0 (and the older SPDA spelling) unless the
+  environment already sets it; MLX's own kernels (one-row vector kernel, composed ops) run those
+  calls instead. It must happen before the first attention call (the flag is read once).
+- Q8 KV: MLX CUDA lacks `quantized_matmul` for the attention's shapes, so mlx-lm's quantized
+  SDPA fails there; the attention reads dequantized copies of the 8-bit K/V (the cache itself,
+  and what the prompt cache saves, stay 8-bit). SANCTUM_Q8_ATTENTION=auto|quantized|dequantized
+  picks on any device (auto: dequantized on CUDA only).
+- Gated DeltaNet over a block: the fused kernel of gdn_cuda.py, compared at load with the MLX
+  path on this GPU (`prepare`) and used only when they agree; SANCTUM_GDN_KERNEL=off keeps the
+  MLX path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import mlx.core as mx
+
+from . import gdn, gdn_cuda
+
+log = logging.getLogger("sanctum.cuda")
+Q8_MODES = ("auto", "quantized", "dequantized")
+_CUDNN_FLAGS = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_CUDA_USE_CUDNN_SPDA")
+_checked: dict = {}  # (Hk, Hv, Dk, Dv, dtype) -> None (agrees) or why not
+
+
+def _cuda_available() -> bool:
+    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
+
+
+def is_cuda() -> bool:
+    """The default device is an NVIDIA GPU (MLX's CUDA backend)."""
+    return mx.default_device() == mx.gpu and not mx.metal.is_available() and _cuda_available()
+
+
+def _disable_cudnn_sdpa() -> None:
+    if _cuda_available() and not any(f in os.environ for f in _CUDNN_FLAGS):
+        for flag in _CUDNN_FLAGS:
+            os.environ[flag] = "0"
+
+
+_disable_cudnn_sdpa()
+
+
+def q8_dequantized() -> bool:
+    """Whether attention over an 8-bit KV cache reads dequantized K/V on this device."""
+    mode = os.environ.get("SANCTUM_Q8_ATTENTION", "auto")
+    if mode not in Q8_MODES:
+        raise ValueError(f"SANCTUM_Q8_ATTENTION must be one of {Q8_MODES}, got {mode!r}")
+    return mode == "dequantized" or (mode == "auto" and is_cuda())
+
+
+def prepare(gdn_shapes: set[tuple[int, int, int, int]], dtype: mx.Dtype) -> None:
+    """At load, on CUDA: check the fused GDN kernel on the model's head shapes (Hk, Hv, Dk, Dv)
+    and this activation dtype, and use it only when every shape agrees with the MLX path."""
+    if not is_cuda() or not gdn_shapes:
+        return
+    if os.environ.get("SANCTUM_GDN_KERNEL", "auto") == "off":
+        log.warning("GDN block kernel off (SANCTUM_GDN_KERNEL=off): the MLX path runs")
+        return
+    problems = []
+    for shape in sorted(gdn_shapes):
+        if not gdn_cuda.supported(*shape):
+            problems.append(f"{shape}: unsupported shape")
+            continue
+        key = (*shape, dtype)
+        if key not in _checked:
+            _checked[key] = gdn_cuda.check(gdn_cuda.gated_delta_cuda, *shape, dtype)
+        if _checked[key] is not None:
+            problems.append(f"{shape}: {_checked[key]}")
+    if problems:
+        gdn.BLOCK_KERNEL = None
+        log.error(
+            "GDN block kernel DISAGREES with the MLX path, using MLX: %s", "; ".join(problems)
+        )
+        print(f"sanctum: GDN CUDA kernel disabled: {'; '.join(problems)}", flush=True)
+    else:
+        gdn.BLOCK_KERNEL = gdn_cuda.gated_delta_cuda
+        log.info("GDN block kernel checked on %s (%s): in use", sorted(gdn_shapes), dtype)
+
+
+def report() -> dict:
+    """The decisions in force, for benchmark output."""
+    return {
+        "device": str(mx.default_device()),
+        "cuda": is_cuda(),
+        "cudnn_sdpa": {f: os.environ.get(f) for f in _CUDNN_FLAGS},
+        "q8_attention": "dequantized" if q8_dequantized() else "quantized",
+        "gdn_block_kernel": gdn.BLOCK_KERNEL is gdn_cuda.gated_delta_cuda,
+        "gdn_kernel_checks": {str(k[:4]) + f" {k[4]}": v or "ok" for k, v in _checked.items()},
+    }

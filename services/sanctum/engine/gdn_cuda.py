@@ -1,0 +1,155 @@
+"""A fused CUDA kernel for the gated delta rule over a short block (a verify block, a rollback
+re-run), through `mx.fast.cuda_kernel`: one launch per layer instead of the chunked form's ~25
+small kernels.
+
+Contract: `gated_delta_cuda(q, k, v, g, beta, state)` computes what mlx-lm's `gated_delta_ops`
+computes (y [B, T, Hv, Dv] in q's dtype, final state [B, Hv, Dv, Dk] in float32), with the
+state in float32 registers: one warp per (batch, value head, value row), each lane holding
+Dk / 32 state elements, rows in time order. Used only on CUDA and only after `check` compared it
+with the MLX path on this GPU at load (engine/cuda.py); everywhere else the pure MLX path runs.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+# The row count is a runtime input (a one-element array), so one compiled kernel serves every
+# block and rollback length; the head shapes are template constants.
+_SOURCE = """
+    const int n_steps = steps[0];
+    const int lane = threadIdx.x;
+    const int dv = blockIdx.y * blockDim.y + threadIdx.y;
+    const int n = blockIdx.z;  // b * Hv + hv
+    const int b = n / Hv;
+    const int hv = n % Hv;
+    const int hk = hv / (Hv / Hk);
+    constexpr int NPT = Dk / 32;
+
+    const InT* q_ = q + (size_t)b * n_steps * Hk * Dk + hk * Dk + NPT * lane;
+    const InT* k_ = k + (size_t)b * n_steps * Hk * Dk + hk * Dk + NPT * lane;
+    const InT* v_ = v + (size_t)b * n_steps * Hv * Dv + hv * Dv + dv;
+    InT* y_ = y + (size_t)b * n_steps * Hv * Dv + hv * Dv + dv;
+    const float* g_ = g + (size_t)b * n_steps * Hv + hv;
+    const float* beta_ = beta + (size_t)b * n_steps * Hv + hv;
+    const float* s_in = state_in + ((size_t)n * Dv + dv) * Dk + NPT * lane;
+    float* s_out = state_out + ((size_t)n * Dv + dv) * Dk + NPT * lane;
+
+    float s[NPT];
+    for (int i = 0; i < NPT; ++i) {
+      s[i] = s_in[i];
+    }
+    for (int t = 0; t < n_steps; ++t) {
+      const float gt = *g_;
+      float kv = 0.0f;
+      for (int i = 0; i < NPT; ++i) {
+        s[i] = s[i] * gt;
+        kv += s[i] * static_cast<float>(k_[i]);
+      }
+      for (int off = 16; off > 0; off >>= 1) {
+        kv += __shfl_xor_sync(0xffffffff, kv, off);
+      }
+      const float delta = (static_cast<float>(*v_) - kv) * (*beta_);
+      float out = 0.0f;
+      for (int i = 0; i < NPT; ++i) {
+        s[i] = s[i] + static_cast<float>(k_[i]) * delta;
+        out += s[i] * static_cast<float>(q_[i]);
+      }
+      for (int off = 16; off > 0; off >>= 1) {
+        out += __shfl_xor_sync(0xffffffff, out, off);
+      }
+      if (lane == 0) {
+        *y_ = static_cast<InT>(out);
+      }
+      q_ += Hk * Dk;
+      k_ += Hk * Dk;
+      v_ += Hv * Dv;
+      y_ += Hv * Dv;
+      g_ += Hv;
+      beta_ += Hv;
+    }
+    for (int i = 0; i < NPT; ++i) {
+      s_out[i] = s[i];
+    }
+"""
+_kernel = None
+ROWS_PER_BLOCK = 4  # value rows (warps) per thread block
+
+
+def supported(Hk: int, Hv: int, Dk: int, Dv: int) -> bool:
+    """Shapes the kernel handles: whole warps over Dk, whole blocks over Dv."""
+    return Dk % 32 == 0 and Dv % ROWS_PER_BLOCK == 0 and Hv % Hk == 0
+
+
+def gated_delta_cuda(
+    q: mx.array,  # [B, T, Hk, Dk] (normalised, readout scale folded in)
+    k: mx.array,  # [B, T, Hk, Dk]
+    v: mx.array,  # [B, T, Hv, Dv]
+    g: mx.array,  # [B, T, Hv] decay (linear space)
+    beta: mx.array,  # [B, T, Hv]
+    state: mx.array,  # [B, Hv, Dv, Dk]
+) -> tuple[mx.array, mx.array]:
+    """(y [B, T, Hv, Dv], state [B, Hv, Dv, Dk] float32); CUDA only."""
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="sanctum_gated_delta",
+            input_names=["q", "k", "v", "g", "beta", "state_in", "steps"],
+            output_names=["y", "state_out"],
+            source=_SOURCE,
+        )
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    v = v.astype(q.dtype)
+    y, state_out = _kernel(
+        inputs=[
+            q,
+            k,
+            v,
+            g.astype(mx.float32),
+            beta.astype(mx.float32),
+            state.astype(mx.float32),
+            mx.array([T], dtype=mx.int32),
+        ],
+        template=[("InT", q.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        grid=(32, Dv, B * Hv),
+        threadgroup=(32, ROWS_PER_BLOCK, 1),
+        output_shapes=[(B, T, Hv, Dv), (B, Hv, Dv, Dk)],
+        output_dtypes=[q.dtype, mx.float32],
+    )
+    return y, state_out
+
+
+def check(
+    fn, Hk: int, Hv: int, Dk: int, Dv: int, dtype: mx.Dtype, rows=(1, 3, 8, 16)
+) -> str | None:
+    """Compare `fn` (the kernel, or a stand-in) with mlx-lm's `gated_delta_ops` on random inputs
+    of these head shapes, eagerly and inside mx.compile; None when they agree, else why not."""
+    from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
+
+    key = mx.random.key(16)
+    for T in rows:
+        ks = mx.random.split(key, 7)
+        key = ks[0]
+        q = mx.random.normal((1, T, Hk, Dk), key=ks[1])
+        k = mx.random.normal((1, T, Hk, Dk), key=ks[2])
+        q, k = normalize_qk(q.astype(dtype), k.astype(dtype), inv_scale=Dk**-0.5, eps=1e-6)
+        v = mx.random.normal((1, T, Hv, Dv), key=ks[3]).astype(dtype)
+        g = mx.exp(-mx.random.uniform(0.01, 2.0, (1, T, Hv), key=ks[4]))
+        beta = mx.sigmoid(mx.random.normal((1, T, Hv), key=ks[5])).astype(dtype)
+        state = 0.3 * mx.random.normal((1, Hv, Dv, Dk), key=ks[6])
+        want_y, want_s = gated_delta_ops(q, k, v, g, beta, state)
+        try:
+            got = fn(q, k, v, g, beta, state)
+            compiled = mx.compile(fn)(q, k, v, g, beta, state)
+            mx.eval(want_y, want_s, got, compiled)
+        except Exception as exc:  # a kernel that does not build or run on this GPU
+            return f"T={T}: {exc.__class__.__name__}: {exc}"
+        tol = 2e-2 if dtype != mx.float32 else 1e-4
+        for name, (y, s) in (("eager", got), ("compiled", compiled)):
+            if y.dtype != want_y.dtype or s.dtype != mx.float32:
+                return f"T={T} {name}: dtypes {y.dtype}, {s.dtype}"
+            dy = mx.abs(y.astype(mx.float32) - want_y.astype(mx.float32)).max().item()
+            ds = mx.abs(s - want_s).max().item()
+            if not (dy <= tol and ds <= 1e-3):  # also false for NaN
+                return f"T={T} {name}: max |dy|={dy:.3g}, max |dstate|={ds:.3g}"
+    return None
