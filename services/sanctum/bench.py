@@ -238,6 +238,11 @@ def register(sub) -> None:
     r.add_argument("--round-tokens", type=int, default=6)
     r.add_argument("--lengths", default="256,1024,4096")
     r.add_argument("--json", action="store_true")
+    from .cudabench import add_parser as add_cuda
+    from .seedbench import add_parser as add_seed
+
+    add_seed(bsub)
+    add_cuda(bsub)
     b.set_defaults(func=main)
 
 
@@ -248,8 +253,22 @@ def isolation(args) -> dict:
     return run(args)
 
 
+def seed(args) -> dict:
+    """The seed's shapes on random weights (seedbench.py)."""
+    from .seedbench import seed as run
+
+    return run(args)
+
+
+def cuda(args) -> dict:
+    """The CUDA-only paths checked and timed (cudabench.py)."""
+    from .cudabench import run
+
+    return run(args)
+
+
 BENCHES = {"speculative": speculative, "multiturn": multiturn, "isolation": isolation, "tau": tau,
-           "reencode": reencode}  # fmt: skip
+           "reencode": reencode, "seed": seed, "cuda": cuda}  # fmt: skip
 
 
 def main(args) -> int:
