@@ -299,3 +299,19 @@ def test_block_kernel_dispatch_rolls_back_exactly(pair, monkeypatch):
         np.testing.assert_allclose(np.array(got[-1]), np.array(want[-1]), atol=1e-4, rtol=1e-4)
     plain = tokens_of(generate(target, ids, max_tokens=32, eos_ids=set()))
     assert tokens_of(generate(target, ids, drafter=drafter, max_tokens=32, eos_ids=set())) == plain
+
+
+def test_draft_head_rows_padded_to_eight_on_cuda(pair, monkeypatch):
+    """On CUDA the L-1 draft rows go through the 4-bit LM head padded to 8 rows (a matrix
+    kernel, not L-1 one-row ones); the drafts and the output are unchanged."""
+    from sanctum.engine import cuda
+
+    target, drafter = pair
+    ids = target.tokenizer.encode(PROMPT)
+    want = tokens_of(generate(target, ids, drafter=drafter, max_tokens=32, eos_ids=set()))
+    x = mx.ones((7, 4))
+    assert cuda.pad_rows(x) is x  # not CUDA here
+    monkeypatch.setattr(cuda, "is_cuda", lambda: True)
+    assert cuda.pad_rows(x).shape == (8, 4) and cuda.pad_rows(mx.ones((16, 4))).shape == (16, 4)
+    got = tokens_of(generate(target, ids, drafter=drafter, max_tokens=32, eos_ids=set()))
+    assert got == want

@@ -86,6 +86,17 @@ def prepare(gdn_shapes: set[tuple[int, int, int, int]], dtype: mx.Dtype) -> None
         log.info("GDN block kernel checked on %s (%s): in use", sorted(gdn_shapes), dtype)
 
 
+def pad_rows(x: mx.array, multiple: int = 8) -> mx.array:
+    """[R, H] -> [R', H], R' the next multiple of `multiple`, zero rows added, on CUDA only:
+    MLX CUDA's 4-bit matmul runs one one-row kernel per row below 8 rows (a 7-row draft head
+    costs ~7 one-row products), and a matrix kernel from 8 rows on (measured,
+    ../shared/device/README.md). The caller slices the result back to R rows."""
+    pad = (-x.shape[0]) % multiple
+    if pad == 0 or not is_cuda():
+        return x
+    return mx.concatenate([x, mx.zeros((pad, *x.shape[1:]), x.dtype)])
+
+
 def report() -> dict:
     """The decisions in force, for benchmark output."""
     return {

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from . import cuda
 from .drafter import Drafter, DraftHead
 from .peer import MAX_PENDING_TAP_ROWS, DraftPeer, DraftUnavailable, LocalDraftPeer
 from .sampling import (
@@ -354,7 +355,7 @@ class Decoder:
             block_embeds = self._block_embeds(seq.anchor)
             hidden = self.peer.draft(seq.seq_id, new_taps, block_embeds, start)  # [L-1, H]
             seq.pending_taps = []
-        logits = self.head.logits(hidden)  # [L-1, V]
+        logits = self.head.logits(cuda.pad_rows(hidden))[: hidden.shape[0]]  # [L-1, V]
         if self.cfg.is_v2:
             temp = 0.0 if params.greedy else params.temperature
             drafts, cand, cand_q = self.head.select(hidden, logits, seq.anchor, temp, key)
