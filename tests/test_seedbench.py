@@ -76,3 +76,24 @@ def test_bench_cuda_standin_runs_every_check():
     assert r["ok"], r
     assert all(v == "ok" for v in r["gdn_kernel_checks"].values())
     assert r["end_to_end"]["speculative_equals_plain_q8"]
+
+
+@pytest.mark.slow
+def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
+    """deploy/gpu/run-seed-bench.sh with small settings: every step passes, the summary has
+    the issue's rows."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable,
+               SEED_DIR=str(tmp_path / "seed"), SPEC_ARGS="--max-tokens 12 --repeats 1",
+               SEED_ARGS="--layers 2 --max-tokens 8 --repeats 1 --reps 1 --prompt-tokens 16")  # fmt: skip
+    run = subprocess.run(["bash", "deploy/gpu/run-seed-bench.sh"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    for row in ("plain / mlx-lm", "verify(8) / decode(1)", "break-even tau",
+                "projected speed-up at tau 5", "default pair b16 q8"):  # fmt: skip
+        assert row in summary
+    assert json.loads((tmp_path / "out" / "seed.json").read_text())["shape"].startswith("L2-")
