@@ -73,7 +73,10 @@ def prepare(gdn_shapes: set[tuple[int, int, int, int]], dtype: mx.Dtype) -> None
         key = (*shape, dtype)
         if key not in _checked:
             _checked[key] = gdn_cuda.check(gdn_cuda.gated_delta_cuda, *shape, dtype)
-        if _checked[key] is not None:
+            if _checked[key] is not None:  # maybe only inside mx.compile: then run it eagerly
+                eager = gdn_cuda.check(gdn_cuda.gated_delta_cuda, *shape, dtype, compiled=False)
+                _checked[key] = "eager only" if eager is None else _checked[key]
+        if _checked[key] not in (None, "eager only"):
             problems.append(f"{shape}: {_checked[key]}")
     if problems:
         gdn.BLOCK_KERNEL = None
@@ -81,9 +84,10 @@ def prepare(gdn_shapes: set[tuple[int, int, int, int]], dtype: mx.Dtype) -> None
             "GDN block kernel DISAGREES with the MLX path, using MLX: %s", "; ".join(problems)
         )
         print(f"sanctum: GDN CUDA kernel disabled: {'; '.join(problems)}", flush=True)
-    else:
-        gdn.BLOCK_KERNEL = gdn_cuda.gated_delta_cuda
-        log.info("GDN block kernel checked on %s (%s): in use", sorted(gdn_shapes), dtype)
+        return
+    gdn.BLOCK_KERNEL = gdn_cuda.gated_delta_cuda
+    gdn.BLOCK_KERNEL_IN_COMPILE = "eager only" not in (_checked[(*s, dtype)] for s in gdn_shapes)
+    log.info("GDN block kernel checked on %s (%s): in use", sorted(gdn_shapes), dtype)
 
 
 def pad_rows(x: mx.array, multiple: int = 8) -> mx.array:
@@ -105,5 +109,6 @@ def report() -> dict:
         "cudnn_sdpa": {f: os.environ.get(f) for f in _CUDNN_FLAGS},
         "q8_attention": "dequantized" if q8_dequantized() else "quantized",
         "gdn_block_kernel": gdn.BLOCK_KERNEL is gdn_cuda.gated_delta_cuda,
+        "gdn_block_kernel_in_compile": gdn.BLOCK_KERNEL_IN_COMPILE,
         "gdn_kernel_checks": {str(k[:4]) + f" {k[4]}": v or "ok" for k, v in _checked.items()},
     }

@@ -41,6 +41,7 @@ _compiled: dict = {}
 # engine/cuda.py after its start-up check; tests may set a stand-in)
 BLOCK_KERNEL = None
 BLOCK_KERNEL_MAX_ROWS = 64
+BLOCK_KERNEL_IN_COMPILE = True  # False: passes that use it run op by op (it failed in compile)
 # Prefill (untaped multi-row passes) through mlx-lm's own recurrence, the token loop off Apple
 # GPUs: a bf16 prefill is then bit for bit mlx-lm's (the chunked form's float32 sums differ in
 # the last bits, which a bf16 model can carry into a different token). Slower; for checks.
@@ -249,7 +250,7 @@ def _gdn_math(mod: nn.Module, x: mx.array, conv_state: mx.array, state_in: mx.ar
 
 
 def _math_for(mod: nn.Module, taped: bool, rows: int):
-    if rows > COMPILE_MAX_ROWS:
+    if rows > COMPILE_MAX_ROWS or (not BLOCK_KERNEL_IN_COMPILE and _block_kernel(rows)):
         return lambda *a: _gdn_math(mod, *a, taped)
     key = (id(mod), taped, taped and _one_chunk_tape(mod, rows), id(BLOCK_KERNEL), MLX_LM_PREFILL)
     if key not in _compiled:
