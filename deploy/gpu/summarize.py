@@ -1,7 +1,8 @@
 """The summary table of deploy/gpu/run-seed-bench.sh: python3 summarize.py OUT_DIR.
 
 Reads the steps' JSON files and prints one markdown table with issue 16's figures next to
-their targets (missing or failed steps show as "-"), then the step times."""
+their targets (missing or failed steps show as "-"), one of the MLX-setting variants, then the
+step times."""
 
 from __future__ import annotations
 
@@ -92,6 +93,18 @@ def main(out: Path) -> None:
     print("|---|---|---|")
     for name, value, target in rows:
         print(f"| {name} | {value} | {target} |")
+    variants = [(n, load(out, n)) for n in ("mlx-default", "mlx-big-buffers", "mlx-no-cuda-graphs")]
+    if any(d for _, d in variants):
+        print(
+            "\n| MLX setting (16-layer target) | plain / mlx-lm | plain tok/s | decode ms "
+            "| verify(8) / decode |"
+        )
+        print("|---|---|---|---|---|")
+        for name, d in variants:
+            print(
+                f"| {name} | {get(d, 'plain_vs_mlx_lm')} | {get(d, 'plain_tok_s')} "
+                f"| {get(d, 'decode_ms')} | {get(d, 'verify_ratio', 8)} |"
+            )
     steps = out / "steps.txt"
     if steps.is_file():
         print("\nsteps: " + "; ".join(steps.read_text().split("\n")).strip("; "))

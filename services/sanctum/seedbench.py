@@ -208,22 +208,24 @@ def seed(args) -> dict:
     shape = _shape(args)
     root = Path(args.dir).expanduser() if args.dir else sanctum_home() / "seed"
     say = lambda msg: print(f"[seed] {msg}", file=sys.stderr, flush=True)
-    target_dir, drafter_dir, build_s = ensure(root, shape, log=say)
+    target_dir, drafter_dir, build_s = ensure(root, shape, say, with_drafter=not args.plain_only)
     t0 = time.perf_counter()
     target = load_target(target_dir)
-    drafter = load_drafter(drafter_dir, target, block_size=args.block_size)
+    drafter = None
+    if not args.plain_only:
+        drafter = load_drafter(drafter_dir, target, block_size=args.block_size)
     load_s = time.perf_counter() - t0
     say(f"loaded in {load_s:.1f} s: {cuda.report()}")
     n, kv, *other_kv = args.max_tokens, *args.kv.split(",")
     prompt = np.random.default_rng(0).integers(10, shape.vocab - 10, args.prompt_tokens).tolist()
-    result = {"shape": shape.key(), "block_size": drafter.block_size, "kv": kv,
+    result = {"shape": shape.key(), "block_size": drafter.block_size if drafter else None, "kv": kv,
               "prompt_tokens": len(prompt), "max_tokens": n, "build_s": round(build_s, 1),
               "load_s": round(load_s, 1), "policy": cuda.report()}  # fmt: skip
     say("plain decode: this engine vs mlx-lm")
     figures, plain_tokens = plain_figures(target, prompt, n, args.repeats, kv)
     result.update(figures)
     say("verify(L) vs decode(1)")
-    tap_ids = drafter.cfg.target_layer_ids
+    tap_ids = tuple(shape.tap_ids)
     costs, cache = verify_costs(target, prompt, tap_ids, args.reps, kv)
     result.update(costs)
     if gdn.BLOCK_KERNEL is not None:  # the same without the fused kernel: its before/after
@@ -232,6 +234,8 @@ def seed(args) -> dict:
             result["without_gdn_kernel"] = verify_costs(target, prompt, tap_ids, args.reps, kv)[0]
         finally:
             gdn.BLOCK_KERNEL = kernel
+    if drafter is None:  # --plain-only
+        return result
     say(f"rounds at block {drafter.block_size}, acceptance forced")
     result.update(round_figures(target, drafter, prompt, n, kv, args.split_tau,
                                 result["plain_tok_s"], plain_tokens))  # fmt: skip
@@ -276,4 +280,6 @@ def add_parser(bsub) -> None:
     s.add_argument("--split-tau", type=int, default=5, help="forced tau of the round split")
     s.add_argument("--kv", default="fp16,q8", help="KV formats: the first is measured in full")
     s.add_argument("--no-phases", action="store_true")
+    s.add_argument("--plain-only", action="store_true",
+                   help="no drafter: plain vs mlx-lm and verify/decode only (an A/B of MLX settings)")  # fmt: skip
     s.add_argument("--json", action="store_true")

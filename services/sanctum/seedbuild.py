@@ -145,10 +145,12 @@ def _packed(shape: tuple[int, ...], fan_in: int, std: float, key) -> dict[str, m
     """A 4-bit affine-quantized matrix [*shape] given as (weight, scales, biases) of random
     nibbles: mean 0, spread `std`."""
     rows, cols = shape
-    packed = mx.random.randint(0, 256, (rows, cols // 2), dtype=mx.uint8, key=key)
+    lo, hi = (mx.random.randint(0, 1 << 16, (rows, cols * BITS // 32), dtype=mx.uint32, key=k)
+              for k in mx.random.split(key))  # fmt: skip
+    packed = lo | (hi << 16)  # 8 uniform nibbles per word (16-bit draws are exact in float32)
     scale = std / _NIBBLE_STD
     groups = (rows, cols // GROUP)
-    return {"weight": packed.view(mx.uint32),
+    return {"weight": packed,
             "scales": mx.full(groups, scale, mx.bfloat16),
             "biases": mx.full(groups, -7.5 * scale, mx.bfloat16)}  # fmt: skip
 
@@ -245,12 +247,15 @@ def write_drafter(out: Path, shape: SeedShape, seed: int = 1) -> Path:
     return out
 
 
-def ensure(root: Path, shape: SeedShape, log=print) -> tuple[Path, Path, float]:
+def ensure(
+    root: Path, shape: SeedShape, log=print, with_drafter: bool = True
+) -> tuple[Path, Path, float]:
     """(target dir, drafter dir, seconds spent building): built once under `root`, reused
     after. A directory counts only once its `complete` marker is written (after the weights)."""
     t0 = time.perf_counter()
     target, drafter = root / shape.key() / "target", root / shape.key() / "drafter"
-    for path, write in ((target, write_target), (drafter, write_drafter)):
+    todo = [(target, write_target)] + ([(drafter, write_drafter)] if with_drafter else [])
+    for path, write in todo:
         marker = path / "complete"
         if marker.is_file() and json.loads(marker.read_text()) == asdict(shape):
             continue
