@@ -315,3 +315,18 @@ def test_draft_head_rows_padded_to_eight_on_cuda(pair, monkeypatch):
     assert cuda.pad_rows(x).shape == (8, 4) and cuda.pad_rows(mx.ones((16, 4))).shape == (16, 4)
     got = tokens_of(generate(target, ids, drafter=drafter, max_tokens=32, eos_ids=set()))
     assert got == want
+
+
+def test_kernel_verdict_comes_from_a_child_process_and_is_remembered(tmp_path, monkeypatch):
+    """cuda.verdict runs gdn_cuda's check in a child (here, off CUDA, it reports why the kernel
+    cannot run) and remembers the answer per MLX version and kernel source."""
+    import subprocess
+
+    from sanctum.engine import cuda
+
+    monkeypatch.setenv("SANCTUM_HOME", str(tmp_path))
+    first = cuda.verdict((2, 4, 32, 32), mx.float32)
+    assert first is not None and "T=1" in first  # no CUDA here: the check says so
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("ran the check again"))
+    assert cuda.verdict((2, 4, 32, 32), mx.float32) == first
+    assert (tmp_path / "cuda-checks.json").is_file()

@@ -93,8 +93,9 @@ def _sync_ms(fn, reps: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def verify_costs(target, prompt: list[int], tap_ids, reps: int, kv: str) -> dict:
-    """decode(1) and verify(L) on the prefilled prompt, each synced and then undone."""
+def verify_costs(target, prompt: list[int], tap_ids, reps: int, kv: str) -> tuple[dict, list]:
+    """decode(1) and verify(L) on the prefilled prompt, each synced and then undone; and that
+    prefilled cache."""
     cache = target.make_cache(kv)
     target.prefill(prompt, cache)
     offset, rng = len(prompt), np.random.default_rng(1)

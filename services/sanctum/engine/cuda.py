@@ -13,13 +13,20 @@ load, and said loudly (log lines, and `report()` for the benchmarks).
   picks on any device (auto: dequantized on CUDA only).
 - Gated DeltaNet over a block: the fused kernel of gdn_cuda.py, compared at load with the MLX
   path on this GPU (`prepare`) and used only when they agree; SANCTUM_GDN_KERNEL=off keeps the
-  MLX path.
+  MLX path. The comparison runs in a child process (a kernel that fails to build could leave
+  this process's GPU stream unusable) and is remembered per MLX version and kernel source in
+  $SANCTUM_HOME/cuda-checks.json.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -72,10 +79,7 @@ def prepare(gdn_shapes: set[tuple[int, int, int, int]], dtype: mx.Dtype) -> None
             continue
         key = (*shape, dtype)
         if key not in _checked:
-            _checked[key] = gdn_cuda.check(gdn_cuda.gated_delta_cuda, *shape, dtype)
-            if _checked[key] is not None:  # maybe only inside mx.compile: then run it eagerly
-                eager = gdn_cuda.check(gdn_cuda.gated_delta_cuda, *shape, dtype, compiled=False)
-                _checked[key] = "eager only" if eager is None else _checked[key]
+            _checked[key] = verdict(shape, dtype)
         if _checked[key] not in (None, "eager only"):
             problems.append(f"{shape}: {_checked[key]}")
     if problems:
@@ -83,11 +87,42 @@ def prepare(gdn_shapes: set[tuple[int, int, int, int]], dtype: mx.Dtype) -> None
         log.error(
             "GDN block kernel DISAGREES with the MLX path, using MLX: %s", "; ".join(problems)
         )
-        print(f"sanctum: GDN CUDA kernel disabled: {'; '.join(problems)}", flush=True)
+        print(f"sanctum: GDN CUDA kernel disabled: {'; '.join(problems)}", file=sys.stderr)
         return
     gdn.BLOCK_KERNEL = gdn_cuda.gated_delta_cuda
     gdn.BLOCK_KERNEL_IN_COMPILE = "eager only" not in (_checked[(*s, dtype)] for s in gdn_shapes)
     log.info("GDN block kernel checked on %s (%s): in use", sorted(gdn_shapes), dtype)
+
+
+def verdict(shape: tuple[int, int, int, int], dtype: mx.Dtype) -> str | None:
+    """gdn_cuda.verdict for this GPU, from a child process, remembered on disk."""
+    name = str(dtype).rsplit(".", 1)[-1]
+    source = hashlib.sha1(gdn_cuda._SOURCE.encode()).hexdigest()[:12]
+    key = f"mlx {mx.__version__} kernel {source} {list(shape)} {name}"
+    path = Path(os.environ.get("SANCTUM_HOME", Path.home() / ".cache" / "sanctum"))
+    path = path / "cuda-checks.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    cmd = [sys.executable, "-m", "sanctum.engine.gdn_cuda", json.dumps(list(shape)), name]
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    except subprocess.TimeoutExpired:
+        return "the check process timed out"  # not remembered: maybe a busy machine
+    try:
+        result = json.loads(run.stdout.strip().splitlines()[-1])["verdict"]
+    except (ValueError, IndexError, KeyError, TypeError):
+        result = f"the check process exited {run.returncode}: {run.stderr[-300:]}"
+    known[key] = result
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known, indent=1))
+    except OSError:
+        pass
+    return result
 
 
 def pad_rows(x: mx.array, multiple: int = 8) -> mx.array:

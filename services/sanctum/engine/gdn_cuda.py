@@ -11,6 +11,9 @@ with the MLX path on this GPU at load (engine/cuda.py); everywhere else the pure
 
 from __future__ import annotations
 
+import json
+import sys
+
 import mlx.core as mx
 
 # The row count is a runtime input (a one-element array), so one compiled kernel serves every
@@ -162,3 +165,20 @@ def check(
             if not (dy <= tol and ds <= 1e-3):  # also false for NaN
                 return f"T={T} {name}: max |dy|={dy:.3g}, max |dstate|={ds:.3g}"
     return None
+
+
+def verdict(Hk: int, Hv: int, Dk: int, Dv: int, dtype: mx.Dtype) -> str | None:
+    """`check` of the kernel inside mx.compile and, failing that, eagerly: None (it agrees),
+    "eager only", or why it does not."""
+    result = check(gated_delta_cuda, Hk, Hv, Dk, Dv, dtype)
+    if (
+        result is not None
+        and check(gated_delta_cuda, Hk, Hv, Dk, Dv, dtype, compiled=False) is None
+    ):
+        return "eager only"
+    return result
+
+
+if __name__ == "__main__":  # engine/cuda.py runs the check here, in a child process
+    shape, dtype_name = json.loads(sys.argv[1]), sys.argv[2]
+    print(json.dumps({"verdict": verdict(*shape, getattr(mx, dtype_name))}))
