@@ -238,10 +238,18 @@ def test_queued_plain_steps_leave_the_prompt_cache_as_unqueued_ones(monkeypatch)
         np.testing.assert_array_equal(np.array(s1), np.array(s2))
 
 
-def test_q8_dequantized_attention_equals_quantized(pair):
+def test_q8_dequantized_attention_equals_quantized(pair, monkeypatch):
     """MLX CUDA's fallback (dequantized K/V into the plain SDPA) against the quantized SDPA on
     the CPU: logits within the Q8 tolerance (2e-2), the same greedy output, plain and
-    speculative."""
+    speculative. SANCTUM_Q8_ATTENTION selects it on any device."""
+    from sanctum.engine import cuda
+
+    assert not cuda.q8_dequantized()  # auto: quantized off CUDA
+    monkeypatch.setenv("SANCTUM_Q8_ATTENTION", "dequantized")
+    assert cuda.q8_dequantized()
+    monkeypatch.setenv("SANCTUM_Q8_ATTENTION", "bogus")
+    with pytest.raises(ValueError, match="SANCTUM_Q8_ATTENTION"):
+        cuda.q8_dequantized()
     target, drafter = pair
     ids = target.tokenizer.encode(PROMPT)
     got = {}
