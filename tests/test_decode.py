@@ -288,6 +288,21 @@ def test_block_kernel_check_accepts_the_reference_and_catches_a_bad_one():
     assert gdn_cuda.supported(16, 48, 128, 128) and not gdn_cuda.supported(16, 48, 100, 128)
 
 
+def test_block_kernel_path_keeps_bf16(bf16_pair, monkeypatch):
+    """The kernel takes float32 inputs: its pass casts them, and casts y back, so a bf16 model's
+    verify still hands on bf16 logits, taps and conv state."""
+    target, drafter = bf16_pair
+    monkeypatch.setattr(gdn, "BLOCK_KERNEL", _standin)
+    cache = target.make_cache()
+    target.prefill(target.tokenizer.encode(PROMPT), cache)
+    logits, taps, tape = target.verify(mx.arange(5, 13), cache, drafter.cfg.target_layer_ids)
+    assert logits.dtype == taps.dtype == mx.bfloat16
+    assert all(t.inputs[0].dtype == mx.float32 for t in tape.gdn)  # taped as the kernel takes it
+    target.rollback(cache, tape, 3)
+    assert all(c.dtype == mx.bfloat16 and s.dtype == mx.float32
+               for c, s in target.recurrent_state(cache))  # fmt: skip
+
+
 def test_block_kernel_dispatch_rolls_back_exactly(pair, monkeypatch):
     """With a block kernel installed (the CUDA path; here a pure-MLX stand-in), a verify keeps
     the recurrence inputs and a rollback re-runs the kernel over the kept rows: every keep

@@ -243,7 +243,12 @@ def _gdn_math(mod: nn.Module, x: mx.array, conv_state: mx.array, state_in: mx.ar
         y, state = gated_delta_ops(q, k, v, mx.exp(log_g), beta, state_in)
         extra = ()
     else:
+        if _block_kernel(S) is not None:
+            # the kernel takes float32: cast here (fused), and tape the casts, so that a
+            # rollback's re-run launches the kernel alone
+            q, k, v, beta = (t.astype(mx.float32) for t in (q, k, v, beta))
         y, state = recurrence(q, k, v, log_g, beta, state_in)
+        y = y.astype(x.dtype)  # a no-op but after the kernel
         extra = (q, k, v, log_g, beta) if taped else ()
     out = mod.out_proj(mod.norm(y, z).reshape(B, S, -1))
     return out, conv_input, state, extra
