@@ -8,9 +8,10 @@ import statistics
 import time
 
 
-def _run_once(target, drafter, prompt_ids, max_tokens, settings, sampling=None):
+def _run_once(target, drafter, prompt_ids, max_tokens, settings, sampling=None, profile=False):
     """One generation; (tokens, round stats, decode seconds, time to first token). Decode time
-    runs from the first token to the last, so a long prompt's prefill stays out of tok/s."""
+    runs from the first token to the last, so a long prompt's prefill stays out of tok/s.
+    `profile` syncs after each phase of a round, for an exact split (and slower rounds)."""
     from .engine.sampling import SamplingParams
     from .engine.speculative import generate
 
@@ -18,7 +19,7 @@ def _run_once(target, drafter, prompt_ids, max_tokens, settings, sampling=None):
     steps, t_first = [], None
     for step in generate(target, prompt_ids, drafter=drafter, sampling=sampling or SamplingParams(),
                          max_tokens=max_tokens, block_size=settings.block_size,
-                         kv_mode=settings.kv_mode, eos_ids=set()):  # fmt: skip
+                         kv_mode=settings.kv_mode, eos_ids=set(), profile=profile):  # fmt: skip
         steps.append(step)
         if t_first is None:
             t_first = time.perf_counter()
@@ -50,8 +51,11 @@ def speculative(args) -> dict:
         )
         plain_t.append((len(p_tokens) - 1) / p_elapsed)
         spec_t.append((len(s_tokens) - 1) / s_elapsed)
-        spec_rounds.extend(r for r in rounds if r.bs > 1)
         same &= p_tokens == s_tokens
+    # the split from a run that syncs after each phase (the timed runs sync once a round)
+    _, rounds, _, _ = _run_once(target, drafter, prompt_ids, args.max_tokens, settings,
+                                profile=True)  # fmt: skip
+    spec_rounds.extend(r for r in rounds if r.bs > 1)
     n = max(1, len(spec_rounds))
     split = {
         name: round(1000 * sum(getattr(r, f"{name}_s") for r in spec_rounds) / n, 3)
@@ -294,6 +298,11 @@ def register(sub) -> None:
     r.add_argument("--round-tokens", type=int, default=6)
     r.add_argument("--lengths", default="256,1024,4096")
     r.add_argument("--json", action="store_true")
+    from .cudabench import add_parser as add_cuda
+    from .seedbench import add_parser as add_seed
+
+    add_seed(bsub)
+    add_cuda(bsub)
     b.set_defaults(func=main)
 
 
@@ -311,8 +320,22 @@ def abuse(args) -> dict:
     return run(args)
 
 
+def seed(args) -> dict:
+    """The seed's shapes on random weights (seedbench.py)."""
+    from .seedbench import seed as run
+
+    return run(args)
+
+
+def cuda(args) -> dict:
+    """The CUDA-only paths checked and timed (cudabench.py)."""
+    from .cudabench import run
+
+    return run(args)
+
+
 BENCHES = {"speculative": speculative, "multiturn": multiturn, "isolation": isolation, "tau": tau,
-           "reencode": reencode, "abuse": abuse}  # fmt: skip
+           "reencode": reencode, "abuse": abuse, "seed": seed, "cuda": cuda}  # fmt: skip
 
 
 def main(args) -> int:

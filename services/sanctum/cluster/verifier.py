@@ -20,7 +20,7 @@ from ..cache.ladder import choose_rungs, make_entry, prefill_stops, restore_into
 from ..cache.store import ResumePlan
 from ..engine.drafter import Drafter
 from ..engine.speculative import Decoder, DraftPeer, Sequence, make_key
-from ..engine.target import Target, VerifyTape, cache_offset
+from ..engine.target import Target, VerifyTape
 from ..requests import (
     Chunk,
     GenerateRequest,
@@ -56,12 +56,12 @@ class ReencodingWatch:
     position: int | None = None  # cached tokens of the next turn's common prefix
     state: list | None = None  # the GDN states there
 
-    def observe(self, target: Target, seq: Sequence, before: int, step) -> None:
-        after = cache_offset(seq.cache)
+    def observe(self, decoder: Decoder, seq: Sequence, before: int, step) -> None:
+        after, state = decoder.committed_state(seq)  # a queued plain step is not committed
         if step.stats is not None and step.stats.bs > 1 and seq.last_tape is not None:
             self.recent.append((before, after, seq.last_tape))
         else:
-            self.recent.append((after, after, target.recurrent_state(seq.cache)))
+            self.recent.append((after, after, state))
         del self.recent[:-2]  # the state of rows committed before these rounds is gone
         first = self.reencoder.first_difference(seq.completion, final=seq.finished is not None)
         self.done = first is not None or seq.finished is not None or self.reencoder.exhausted
@@ -246,6 +246,7 @@ class Verifier:
         logits = self.decoder.prefill(
             seq, act.prompt_ids[done:end], act.stops,
             on_stop=lambda pos: act.captured.__setitem__(pos, self.target.recurrent_state(seq.cache)),
+            final=end == len(act.prompt_ids),
         )  # fmt: skip
         if end < len(act.prompt_ids):
             return None
@@ -258,12 +259,12 @@ class Verifier:
     def step(self, act: Active) -> Chunk:
         """One round (speculative, or one plain token)."""
         act.key, sub = mx.random.split(act.key)
-        before = cache_offset(act.seq.cache)
+        before = self.decoder.committed_state(act.seq)[0]
         step = self.decoder.step(
             act.seq, act.req.sampling(), act.req.max_tokens, self.eos_ids, sub, act.stream.check
         )
         if act.watch is not None and not act.watch.done:
-            act.watch.observe(self.target, act.seq, before, step)
+            act.watch.observe(self.decoder, act.seq, before, step)
         s = step.stats
         act.usage.rounds += 1
         self.metrics.add_round(s)

@@ -486,12 +486,14 @@ def load_drafter(
     bits: int = 0,
     parts: str = "both",
     target_shape: tuple[int, int, int] | None = None,
+    keep_dtype: bool = False,
 ) -> Drafter:
     """Load a DFlash / DFlash 2 checkpoint, checked against the target.
 
     `parts`: "both" (inline), "body" (a drafter process: no vocabulary-sized weights) or "head"
     (the verifier's side). `bits` 4 or 8 quantizes the body at load (0 or 16: none).
     `target_shape` = (num_layers, hidden, vocab) stands in for `target` where it is not loaded.
+    `keep_dtype`: keep the checkpoint's dtype on the CPU too (by default widened to float32).
     """
     path = resolve_checkpoint(path_or_id)
     raw = read_config(path)
@@ -523,7 +525,7 @@ def load_drafter(
         )
         if stored:
             dequantize_model(body)
-        if mx.default_device() == mx.cpu:
+        if mx.default_device() == mx.cpu and not keep_dtype:
             body.set_dtype(mx.float32)  # half precision is 3-4x slower than fp32 on MLX's CPU
         if bits and bits not in (16, 0):
             if bits not in (2, 3, 4, 5, 6, 8):

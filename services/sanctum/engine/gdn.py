@@ -12,7 +12,10 @@ The recurrence itself: one row (a decode step) goes through mlx-lm's own step, e
 decodes; several rows (a verify block, a prefill chunk) off Apple GPUs go through the chunked
 form below — a few [C, C] and [C, D] matmuls per chunk instead of one tiny kernel chain per row
 (measured on this CPU: 8 rows 0.36 ms vs 1.45 ms, 512 rows 75 ms vs 247 ms, per layer; same
-values to ~1e-7). On Apple GPUs mlx-lm's Metal kernel runs every shape.
+values to ~1e-7). On Apple GPUs mlx-lm's Metal kernel runs every shape. On CUDA a block of
+2..BLOCK_KERNEL_MAX_ROWS rows goes through `BLOCK_KERNEL` (gdn_cuda.py) once engine/cuda.py has
+checked it on this GPU; its tape then keeps the recurrence inputs, and a rollback re-runs the
+kernel over the kept rows.
 """
 
 from __future__ import annotations
@@ -21,7 +24,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.gated_delta import _gated_delta_step_ops, gated_delta_kernel, normalize_qk
+from mlx_lm.models.gated_delta import (
+    _gated_delta_step_ops,
+    gated_delta_kernel,
+    gated_delta_ops,
+    normalize_qk,
+)
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
 # Row counts up to this run through mx.compile (one graph per shape: decode steps and verify
@@ -29,6 +37,15 @@ from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 COMPILE_MAX_ROWS = 32
 CHUNK = 64
 _compiled: dict = {}
+# A fused kernel (q, k, v, decay, beta, state) -> (y, state) for short blocks, or None (set by
+# engine/cuda.py after its start-up check; tests may set a stand-in)
+BLOCK_KERNEL = None
+BLOCK_KERNEL_MAX_ROWS = 64
+BLOCK_KERNEL_IN_COMPILE = True  # False: passes that use it run op by op (it failed in compile)
+# Prefill (untaped multi-row passes) through mlx-lm's own recurrence, the token loop off Apple
+# GPUs: a bf16 prefill is then bit for bit mlx-lm's (the chunked form's float32 sums differ in
+# the last bits, which a bf16 model can carry into a different token). Slower; for checks.
+MLX_LM_PREFILL = False
 
 
 @dataclass
@@ -93,9 +110,13 @@ def _kernel_for(head_k_dim: int) -> bool:
     )
 
 
+def _block_kernel(rows: int):
+    return BLOCK_KERNEL if 1 < rows <= BLOCK_KERNEL_MAX_ROWS else None
+
+
 def _one_chunk_tape(mod: nn.Module, rows: int) -> bool:
     """A taped pass that fits one chunk keeps the chunk's intermediates (rollback = one matmul)."""
-    return not _kernel_for(mod.head_k_dim) and 1 < rows <= CHUNK
+    return not _kernel_for(mod.head_k_dim) and _block_kernel(rows) is None and 1 < rows <= CHUNK
 
 
 def recurrence(q, k, v, log_g, beta, state):
@@ -110,6 +131,8 @@ def recurrence(q, k, v, log_g, beta, state):
             q[:, 0], k[:, 0], v[:, 0], mx.exp(log_g[:, 0]), beta[:, 0], state
         )
         return y[:, None], state
+    if (kernel := _block_kernel(q.shape[1])) is not None:
+        return kernel(q, k, v, mx.exp(log_g), beta, state)
     return chunked_gated_delta(q, k, v, log_g, beta, state, CHUNK)
 
 
@@ -157,6 +180,7 @@ def chunked_gated_delta(
     (k, cumulative log-decay, v_new) for `state_after`."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
+    out_dtype = v.dtype  # the activations' (bf16 model: bf16); the math below runs in float32
     if (r := Hv // Hk) > 1:
         q, k = mx.repeat(q, r, -2), mx.repeat(k, r, -2)
     C = min(chunk, 1 << max(0, (T - 1).bit_length()))
@@ -203,8 +227,8 @@ def chunked_gated_delta(
         if N != 1:
             raise ValueError("parts are for one-chunk passes (a verify block)")
         v_new = u[:, :, 0] - w[:, :, 0] @ S_in[:, :, 0]
-        return y.astype(v.dtype), S.swapaxes(-1, -2), (k[:, :, 0], decay[:, :, 0], v_new)
-    return y.astype(v.dtype), S.swapaxes(-1, -2)
+        return y.astype(out_dtype), S.swapaxes(-1, -2), (k[:, :, 0], decay[:, :, 0], v_new)
+    return y.astype(out_dtype), S.swapaxes(-1, -2)
 
 
 def _project(mod: nn.Module, x: mx.array):
@@ -239,17 +263,25 @@ def _gdn_math(mod: nn.Module, x: mx.array, conv_state: mx.array, state_in: mx.ar
     log_g = -mx.exp(mod.A_log.astype(mx.float32)) * nn.softplus(a + mod.dt_bias)  # log compute_g
     if taped and _one_chunk_tape(mod, S):
         y, state, extra = chunked_gated_delta(q, k, v, log_g, beta, state_in, CHUNK, parts=True)
+    elif MLX_LM_PREFILL and not taped and S > 1 and not _kernel_for(mod.head_k_dim):
+        y, state = gated_delta_ops(q, k, v, mx.exp(log_g), beta, state_in)
+        extra = ()
     else:
+        if _block_kernel(S) is not None:
+            # the kernel takes float32: cast here (fused), and tape the casts, so that a
+            # rollback's re-run launches the kernel alone
+            q, k, v, beta = (t.astype(mx.float32) for t in (q, k, v, beta))
         y, state = recurrence(q, k, v, log_g, beta, state_in)
+        y = y.astype(x.dtype)  # a no-op but after the kernel
         extra = (q, k, v, log_g, beta) if taped else ()
     out = mod.out_proj(mod.norm(y, z).reshape(B, S, -1))
     return out, conv_input, state, extra
 
 
 def _math_for(mod: nn.Module, taped: bool, rows: int):
-    if rows > COMPILE_MAX_ROWS:
+    if rows > COMPILE_MAX_ROWS or (not BLOCK_KERNEL_IN_COMPILE and _block_kernel(rows)):
         return lambda *a: _gdn_math(mod, *a, taped)
-    key = (id(mod), taped, taped and _one_chunk_tape(mod, rows))
+    key = (id(mod), taped, taped and _one_chunk_tape(mod, rows), id(BLOCK_KERNEL), MLX_LM_PREFILL)
     if key not in _compiled:
         _compiled[key] = mx.compile(lambda x, conv, state: _gdn_math(mod, x, conv, state, taped))
     return _compiled[key]

@@ -53,6 +53,13 @@ def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
     return probs
 
 
+def greedy_tokens(logits: mx.array) -> mx.array:
+    """[R, V] logits -> [R] greedy tokens, by mlx-lm's rule: the argmax of the log-probabilities
+    in the logits' own dtype. In bf16 the subtraction can tie or reorder nearly equal logits, so a
+    plain argmax would not always reproduce mlx-lm's greedy decode."""
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+
+
 def sample(probs: mx.array, key: mx.array) -> mx.array:
     """One token per row of [R, V] probabilities."""
     return mx.random.categorical(mx.log(probs), axis=-1, key=key)
@@ -60,9 +67,11 @@ def sample(probs: mx.array, key: mx.array) -> mx.array:
 
 def accept_greedy(drafts: mx.array, target_logits: mx.array) -> tuple[int, int]:
     """drafts [L-1], target logits [L, V] -> (accepted count, bonus token)."""
-    picks = mx.argmax(target_logits, axis=-1)  # [L]
+    picks = greedy_tokens(target_logits)  # [L]
     match = (drafts == picks[:-1]).astype(mx.int32)
-    accepted = int(mx.cumprod(match).sum().item()) if drafts.size else 0
+    run = mx.cumprod(match).sum() if drafts.size else mx.array(0)
+    mx.eval(run, picks)  # one host sync for both
+    accepted = int(run.item())
     return accepted, int(picks[accepted].item())
 
 

@@ -1,6 +1,13 @@
 """The decode loop: prefill, then DFlash rounds (draft a block, verify it in one target forward,
 accept, roll back the rest), or plain one-token steps when there is no drafter.
 
+Host syncs: a greedy plain step queues the next step's forward on the lazy token before it
+reads this one (mlx-lm's generate_step does the same), so the host builds step n+1 while the
+device computes step n; when the request then stops, that forward is undone, so the cache holds
+exactly the committed tokens. A round syncs once, on acceptance: the drafts are not awaited
+before the verify graph is built, and the rollback is queued, not awaited (`Decoder.profile`
+syncs each phase instead, for a round split that measures device time).
+
 The verifier side runs this loop; the drafter body is reached through a `DraftPeer`, which is a
 plain object in one process (`LocalDraftPeer`) or a proxy to a drafter actor in the cluster:
 this module does not know which.
@@ -12,67 +19,21 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import mlx.core as mx
 
+from . import cuda
 from .drafter import Drafter, DraftHead
-from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
+from .peer import MAX_PENDING_TAP_ROWS, DraftPeer, DraftUnavailable, LocalDraftPeer
+from .sampling import (
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    greedy_tokens,
+    probabilities,
+    sample,
+)
 from .target import Target, VerifyTape, cache_offset
-
-# Rows of taps kept for a drafter that went away, replayed as its context when it returns.
-MAX_PENDING_TAP_ROWS = 4096
-
-
-class DraftUnavailable(RuntimeError):
-    """The drafter cannot answer now (its process died or is restarting): decode plainly."""
-
-
-class DraftPeer(Protocol):
-    """What the verifier needs from the drafter body, wherever it runs.
-
-    A peer in another process is `pipelined`: it also has `submit` (same arguments as `draft`,
-    returns a handle at once), `collect(handle) -> hidden` and `discard(handle)`, so that the
-    decoder can ask for a sequence's next block as soon as a round's tokens are accepted and
-    roll back its caches while the drafter computes."""
-
-    pipelined: bool
-
-    def open(self, seq_id: str) -> None: ...
-
-    def draft(
-        self, seq_id: str, new_taps: mx.array | None, block_embeds: mx.array, start: int
-    ) -> mx.array:
-        """new_taps [C, n_taps*H] of rows start-C..start-1, block_embeds [L, H] -> hidden [L-1, H]."""
-        ...
-
-    def close(self, seq_id: str) -> None: ...
-
-
-class LocalDraftPeer:
-    """The drafter body in this process, with one context cache per open sequence. Not
-    pipelined: one thread would run the draft and the rollback one after the other anyway."""
-
-    pipelined = False
-
-    def __init__(self, drafter: Drafter):
-        self.body = drafter.body
-        self.caches: dict[str, list] = {}
-
-    def open(self, seq_id: str) -> None:
-        self.caches[seq_id] = self.body.make_cache()
-
-    def draft(self, seq_id, new_taps, block_embeds, start):
-        if seq_id not in self.caches:
-            raise DraftUnavailable(f"sequence {seq_id} is not open on this drafter")
-        if new_taps is not None and (keep := self.body.context_rows_needed()) is not None:
-            new_taps = new_taps[-keep:]
-        taps = new_taps[None] if new_taps is not None else None
-        hidden = self.body(block_embeds[None], start, taps, self.caches[seq_id])
-        return hidden[0, 1:]
-
-    def close(self, seq_id: str) -> None:
-        self.caches.pop(seq_id, None)
 
 
 @dataclass
@@ -107,7 +68,8 @@ class Sequence:
 
     seq_id: str
     cache: list  # target caches, one per layer
-    cached_tokens: list[int]  # exactly the tokens the cache holds, in order
+    # the tokens the cache holds, in order (and the anchor too while `ahead` is set)
+    cached_tokens: list[int]
     anchor: int | None = None  # last committed token, not yet run through the target
     completion: list[int] = field(default_factory=list)
     pending_taps: list[mx.array] = field(default_factory=list)  # taps not yet sent to the drafter
@@ -116,6 +78,15 @@ class Sequence:
     finished: str | None = None
     last_tape: VerifyTape | None = None  # the latest verify pass (a later truncation can reuse it)
     prefetch: Prefetch | None = None  # the next block's draft, already asked of a pipelined peer
+    ahead: Ahead | None = None  # the anchor's plain step, already queued on the device
+
+
+@dataclass
+class Ahead:
+    """A greedy plain step queued before the previous one was read: the anchor's forward."""
+
+    token: mx.array  # [] lazy: the greedy token it yields
+    states: list  # GDN (conv, state) before it, to undo it (attention KV: trimmed by one)
 
 
 @dataclass
@@ -150,6 +121,7 @@ class Decoder:
         self.tap_ids = tuple(self.cfg.target_layer_ids) if self.cfg else ()
         self.keep_tap_history = False  # the prompt cache saves the drafter's context
         self.pipelined = bool(getattr(self.peer, "pipelined", False)) and self.block_size > 1
+        self.profile = False  # sync after each phase of a round (accurate split, slower)
         if self.cfg is not None:
             self.mask_embed = target.embed_tokens(mx.array([self.cfg.mask_token_id]))  # [1, H]
 
@@ -158,10 +130,18 @@ class Decoder:
         return Sequence(seq_id, self.target.make_cache(kv_mode), [])
 
     def prefill(
-        self, seq: Sequence, tokens: list[int], stops: tuple[int, ...] = (), on_stop=None
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        stops: tuple[int, ...] = (),
+        on_stop=None,
+        final: bool = True,
     ) -> mx.array:
-        """Run `tokens` on top of what the cache holds; returns last-row logits [1, V]."""
-        logits, taps = self.target.prefill(tokens, seq.cache, self.tap_ids, stops, on_stop)
+        """Run `tokens` on top of what the cache holds; returns last-row logits [1, V].
+        `final`: these tokens end the prompt (its last token then runs alone, as in mlx-lm)."""
+        logits, taps = self.target.prefill(
+            tokens, seq.cache, self.tap_ids, stops, on_stop, split_last=final
+        )
         seq.cached_tokens.extend(tokens)
         if self.head is not None:
             self.queue_taps(seq, taps)
@@ -180,6 +160,8 @@ class Decoder:
         token = self._sample_one(logits, params, key)
         step = self._commit(seq, [token], max_tokens, eos_ids, None, stats=None)
         self._prefetch(seq, cache_offset(seq.cache))
+        if self._runs_ahead(params) and seq.finished is None:
+            seq.ahead = self._queue_step(seq, mx.array([seq.anchor]))
         return step
 
     def step(
@@ -197,9 +179,18 @@ class Decoder:
                 return self._speculative_round(seq, params, max_tokens, eos_ids, key, stop_check)
             except DraftUnavailable:
                 seq.draft_open = False  # the next round reopens it on a restarted drafter
+        if self._runs_ahead(params):
+            return self._plain_step_ahead(seq, max_tokens, eos_ids, stop_check)
         return self._plain_step(seq, params, max_tokens, eos_ids, key, stop_check)
 
+    def committed_state(self, seq: Sequence) -> tuple[int, list[tuple[mx.array, mx.array]]]:
+        """(tokens, GDN states) of the committed cache, without a queued step undone."""
+        if seq.ahead is not None:
+            return cache_offset(seq.cache) - 1, seq.ahead.states
+        return cache_offset(seq.cache), self.target.recurrent_state(seq.cache)
+
     def close(self, seq: Sequence) -> None:
+        self._undo_ahead(seq)
         if seq.prefetch is not None:
             self.peer.discard(seq.prefetch.handle)
             seq.prefetch = None
@@ -224,7 +215,7 @@ class Decoder:
 
     def _sample_one(self, logits: mx.array, params: SamplingParams, key: mx.array) -> int:
         if params.greedy:
-            return int(mx.argmax(logits[-1]).item())
+            return int(greedy_tokens(logits[-1:])[0].item())
         return int(sample(probabilities(logits[-1:], params), key)[0].item())
 
     def _commit(
@@ -268,6 +259,44 @@ class Decoder:
             self.queue_taps(seq, taps)
         t1 = time.perf_counter()
         step = self._commit(seq, [token], max_tokens, eos_ids, stop_check, RoundStats(1, 0, 0))
+        step.stats.verify_s, step.stats.other_s = t1 - t0, time.perf_counter() - t1
+        return step
+
+    def _runs_ahead(self, params: SamplingParams) -> bool:
+        # sampling would need the next step's key before the caller gives it
+        return self.head is None and params.greedy
+
+    def _queue_step(self, seq: Sequence, token: mx.array) -> Ahead:
+        """Build the forward of `token` ([1], may be lazy) on the cache and queue it."""
+        states = self.target.recurrent_state(seq.cache)
+        logits, _ = self.target.forward(token, seq.cache)
+        nxt = greedy_tokens(logits)[-1]
+        mx.async_eval(nxt)
+        return Ahead(nxt, states)
+
+    def _undo_ahead(self, seq: Sequence) -> None:
+        if seq.ahead is not None:
+            self.target.truncate(seq.cache, cache_offset(seq.cache) - 1, seq.ahead.states)
+            seq.ahead = None
+
+    def _plain_step_ahead(self, seq, max_tokens, eos_ids, stop_check) -> Step:
+        """A greedy plain step whose forward is already queued; queues the next one (on the lazy
+        token) before reading this one. A next step the commit does not want is undone."""
+        t0 = time.perf_counter()
+        ahead, seq.ahead = seq.ahead, None
+        if ahead is None:
+            ahead = self._queue_step(seq, mx.array([seq.anchor]))
+        seq.cached_tokens.append(seq.anchor)
+        nxt = None
+        if len(seq.completion) + 1 < max_tokens:  # else this token ends the request
+            nxt = self._queue_step(seq, ahead.token[None])
+        token = int(ahead.token.item())
+        t1 = time.perf_counter()
+        step = self._commit(seq, [token], max_tokens, eos_ids, stop_check, RoundStats(1, 0, 0))
+        if nxt is not None:
+            seq.ahead = nxt  # its input is the token just committed, the new anchor
+            if seq.finished is not None:
+                self._undo_ahead(seq)
         step.stats.verify_s, step.stats.other_s = t1 - t0, time.perf_counter() - t1
         return step
 
@@ -326,7 +355,7 @@ class Decoder:
             block_embeds = self._block_embeds(seq.anchor)
             hidden = self.peer.draft(seq.seq_id, new_taps, block_embeds, start)  # [L-1, H]
             seq.pending_taps = []
-        logits = self.head.logits(hidden)  # [L-1, V]
+        logits = self.head.logits(cuda.pad_rows(hidden))[: hidden.shape[0]]  # [L-1, V]
         if self.cfg.is_v2:
             temp = 0.0 if params.greedy else params.temperature
             drafts, cand, cand_q = self.head.select(hidden, logits, seq.anchor, temp, key)
@@ -339,20 +368,24 @@ class Decoder:
         q = probabilities(logits, params)
         return sample(q, key), q
 
+    def _accept(self, drafts, q, logits, params, key) -> tuple[int, int]:
+        """(accepted drafts, bonus token) by the greedy or the rejection rule."""
+        if params.greedy:
+            return accept_greedy(drafts, logits)
+        return accept_sampled(drafts, q, probabilities(logits, params), key)
+
     def _speculative_round(self, seq, params, max_tokens, eos_ids, key, stop_check) -> Step:
         k_draft, k_accept = mx.random.split(key)
         base = cache_offset(seq.cache)
         t0 = time.perf_counter()
         drafts, q = self._draft(seq, params, k_draft)
-        mx.eval(drafts)
+        if self.profile:
+            mx.eval(drafts)
         t1 = time.perf_counter()
         block = mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
         logits, taps, tape = self.target.verify(block, seq.cache, self.tap_ids)
         seq.last_tape = tape
-        if params.greedy:
-            accepted, bonus = accept_greedy(drafts, logits)
-        else:
-            accepted, bonus = accept_sampled(drafts, q, probabilities(logits, params), k_accept)
+        accepted, bonus = self._accept(drafts, q, logits, params, k_accept)
         t2 = time.perf_counter()
         block_ids = block.tolist()
         stats = RoundStats(self.block_size, accepted, 0, t1 - t0, t2 - t1)
@@ -366,7 +399,9 @@ class Decoder:
         self._prefetch(seq, base + keep)  # the drafter starts on the next block meanwhile
         t_roll = time.perf_counter()
         stats.draft_s += t_roll - t3
-        mx.eval(self.target.rollback(seq.cache, tape, keep))
+        states = self.target.rollback(seq.cache, tape, keep)
+        # the next round's graph builds on these; only a profile waits for them here
+        (mx.eval if self.profile else mx.async_eval)(states)
         t4 = time.perf_counter()
         seq.cached_tokens.extend(block_ids[:keep])
         stats.rollback_s = t4 - t_roll
@@ -389,14 +424,17 @@ def generate(
     kv_mode: str = "fp16",
     eos_ids: set[int] | None = None,
     stop_check: StopCheck | None = None,
+    profile: bool = False,
 ) -> Iterator[Step]:
-    """Decode `prompt_ids` in this process (speculatively when a drafter is given)."""
+    """Decode `prompt_ids` in this process (speculatively when a drafter is given); `profile`:
+    sync each phase of a round, for an exact round split."""
     if not prompt_ids:
         raise ValueError("prompt is empty")
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
     sampling = sampling or SamplingParams()
     decoder = Decoder(target, drafter, LocalDraftPeer(drafter) if drafter else None, block_size)
+    decoder.profile = profile
     eos = set(target.tokenizer.eos_token_ids) if eos_ids is None else eos_ids
     seq = decoder.new_sequence("local", kv_mode)
     key = make_key(sampling.seed)

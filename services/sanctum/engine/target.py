@@ -17,6 +17,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
+from . import cuda
 from .gdn import COMPILE_MAX_ROWS, GDNTape, gdn_forward
 
 # mlx-lm model types whose layers are all full attention or Gated DeltaNet.
@@ -98,6 +99,12 @@ class Target:
         self._compiled_mlp: dict = {}
         max_pos = text_config.get("max_position_embeddings") or 32768
         self.max_context = int(max_pos)
+        self.dtype = self.embed_tokens(mx.array([0])).dtype  # the activations'
+        # 8-bit KV read through dequantized copies (MLX CUDA lacks the quantized attention)
+        self.dequantize_q8 = cuda.q8_dequantized()
+        mixers = [layer.linear_attn for layer, g in zip(self.layers, self.is_gdn) if g]
+        shapes = {(m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim) for m in mixers}
+        cuda.prepare(shapes, self.dtype)  # on CUDA: check the fused GDN kernel on these
 
     # ---- caches -------------------------------------------------------------------------
     def make_cache(self, kv_mode: str = "fp16") -> list:
@@ -137,6 +144,8 @@ class Target:
             if self.is_gdn[i]:
                 r = gdn_forward(layer.linear_attn, layer.input_layernorm(h), c, tape)
             else:
+                if self.dequantize_q8 and isinstance(c, QuantizedKVCache):
+                    c = DequantizedView(c)
                 r = layer.self_attn(layer.input_layernorm(h), attn_mask, c)
             h = self._residual_mlp(layer, h, r)
             if i in wanted:
@@ -187,15 +196,19 @@ class Target:
         stops: tuple[int, ...] = (),
         on_stop=None,
         chunk: int = PREFILL_CHUNK,
+        split_last: bool = True,
     ) -> tuple[mx.array, list[mx.array]]:
         """Run the prompt in forward calls that end at every position in `stops` (absolute token
         counts, e.g. ladder rungs) and at most `chunk` tokens apart. After a call that ends at a
         stop, `on_stop(position)` runs (to snapshot state there: rungs can only sit at forward-call
         boundaries). Returns the last row's logits ([1, V]) and the taps of each call.
+        With `split_last` the last token runs alone, as in mlx-lm's generate_step: the first
+        completion token then comes from a one-row step, bit for bit what mlx-lm decodes.
         """
         start = cache_offset(cache)
         end = start + len(tokens)
-        cuts = sorted({p for p in stops if start < p <= end} | {end})
+        last = {end - 1} if split_last and end - 1 > start else set()
+        cuts = sorted({p for p in stops if start < p <= end} | {end} | last)
         taps_out, logits, pos = [], None, start
         for cut in cuts:
             while pos < cut:
@@ -210,6 +223,14 @@ class Target:
                 on_stop(cut)
         return logits, taps_out
 
+    def truncate(self, cache: list, offset: int, states: list[tuple[mx.array, mx.array]]) -> None:
+        """Undo the last forward calls: attention KV trimmed to `offset` tokens, GDN layers back
+        to `states` (what `recurrent_state` returned at that offset)."""
+        for c in cache:
+            if not isinstance(c, ArraysCache) and c.offset > offset:
+                c.trim(c.offset - offset)
+        self.restore_recurrent_state(cache, states)
+
     # ---- recurrent snapshots ------------------------------------------------------------
     def recurrent_state(self, cache: list) -> list[tuple[mx.array, mx.array]]:
         """(conv state, recurrent state) of every GDN layer: what a ladder rung stores."""
@@ -221,6 +242,26 @@ class Target:
             raise ValueError(f"snapshot has {len(states)} GDN layers, model has {len(gdn_ids)}")
         for i, (conv, state) in zip(gdn_ids, states):
             cache[i][0], cache[i][1] = conv, state
+
+
+class DequantizedView:
+    """An 8-bit KV cache as mlx-lm's attention sees it when MLX lacks the quantized attention
+    kernel (CUDA): the new K/V are stored 8-bit as usual, and the attention gets dequantized
+    copies ([B, kv_heads, T, head_dim], the scales' dtype). Having no `bits` attribute, it sends
+    mlx-lm's SDPA down the plain path."""
+
+    def __init__(self, cache: QuantizedKVCache):
+        self.cache = cache
+
+    @property
+    def offset(self) -> int:
+        return self.cache.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        c = self.cache
+        qk, qv = c.update_and_fetch(keys, values)
+        return (mx.dequantize(*qk, group_size=c.group_size, bits=c.bits),
+                mx.dequantize(*qv, group_size=c.group_size, bits=c.bits))  # fmt: skip
 
 
 def _residual_mlp(layer, h: mx.array, r: mx.array) -> mx.array:
@@ -237,8 +278,11 @@ def cache_offset(cache: list) -> int:
     raise ValueError("GDN-only targets are not supported: no attention layer to count positions")
 
 
-def load_target(path_or_id: str | Path) -> Target:
-    """Load any supported mlx-lm target (quantized or not) with its tokenizer, offline."""
+def load_target(path_or_id: str | Path, keep_dtype: bool = False) -> Target:
+    """Load any supported mlx-lm target (quantized or not) with its tokenizer, offline.
+
+    On the CPU the weights are widened to float32 (MLX's CPU matmuls are 3-4x faster there)
+    unless `keep_dtype`: then the model computes in the checkpoint's own dtype, as on a GPU."""
     path = resolve_checkpoint(path_or_id)
     config = read_config(path)
     model_type = config.get("model_type")
@@ -257,16 +301,13 @@ def load_target(path_or_id: str | Path) -> Target:
         ) from None
     except ValueError as exc:
         raise CheckpointError(f"{path}: weights do not match the config: {exc}") from None
-    if (
-        mx.default_device() == mx.cpu
-    ):  # MLX's CPU matmuls: float32 is 3-4x faster than half/quantized
-        unpack = bool(
-            config.get("dequantize_on_cpu")
-        )  # quantized only to stay small (train/pack.py)
+    if mx.default_device() == mx.cpu and not keep_dtype:
+        # MLX's CPU matmuls: float32 is 3-4x faster than half/quantized
+        unpack = bool(config.get("dequantize_on_cpu"))  # quantized only to stay small (pack.py)
         if unpack:
             dequantize_model(model)
         if unpack or not ({"quantization", "quantization_config"} & set(config)):
             model.set_dtype(mx.float32)
-        mx.eval(model.parameters())  # materialise now, not inside every (compiled) forward
+    mx.eval(model.parameters())  # materialise now, not inside every (compiled) forward
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     return Target(model, tokenizer, config, path)

@@ -1,0 +1,143 @@
+"""`sanctum bench cuda`: the CUDA-only paths checked and timed on this GPU, in one command.
+
+- the fused GDN kernel against mlx-lm's ops at the seed's, the default pair's and the tiny
+  model's head shapes, bf16 and float32, eager and compiled (gdn_cuda.check);
+- its time over a verify block against the chunked MLX form and mlx-lm's token loop;
+- end to end on a tiny pair: rollback to every row equals a fresh forward, and greedy
+  speculative equals greedy plain, with the kernel in use, in fp16 and q8 KV;
+- last, mlx-lm's quantized attention (8-bit KV) at decode and verify shapes: does MLX run it
+  here, and how far is the dequantized fallback from it (reported, not part of `ok`).
+`ok` is true when every check passed. Off CUDA it reports `skipped`, unless `--standin` runs
+the same code with a pure-MLX stand-in for the kernel (what the CPU tests do).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
+from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
+
+from .engine import cuda, gdn, gdn_cuda
+
+SHAPES = {"seed": (16, 48, 128, 128), "default": (4, 8, 64, 64), "tiny": (2, 4, 32, 32)}
+
+
+def _standin(q, k, v, g, beta, state):
+    return gated_delta_ops(q, k, v, g, beta, state)
+
+
+def _timings(kernel, shape, T: int) -> dict:
+    """ms per call over a T-row block at `shape`: the kernel, the chunked form, mlx-lm's loop."""
+    from .seedphases import per_call_ms
+
+    Hk, Hv, Dk, Dv = shape
+    q, k = normalize_qk(mx.random.normal((1, T, Hk, Dk)).astype(mx.bfloat16),
+                        mx.random.normal((1, T, Hk, Dk)).astype(mx.bfloat16),
+                        inv_scale=Dk**-0.5, eps=1e-6)  # fmt: skip
+    v = mx.random.normal((1, T, Hv, Dv)).astype(mx.bfloat16)
+    log_g = -mx.random.uniform(0.01, 2.0, (1, T, Hv))
+    beta = mx.sigmoid(mx.random.normal((1, T, Hv))).astype(mx.bfloat16)
+    state = 0.3 * mx.random.normal((1, Hv, Dv, Dk))
+    g = mx.exp(log_g)
+    mx.eval(q, k, v, log_g, g, beta, state)
+    return {
+        "kernel": per_call_ms(lambda: list(kernel(q, k, v, g, beta, state))),
+        "chunked": per_call_ms(lambda: list(gdn.chunked_gated_delta(q, k, v, log_g, beta, state))),
+        "mlx_lm_ops": per_call_ms(lambda: list(gated_delta_ops(q, k, v, g, beta, state))),
+    }
+
+
+def _q8_attention() -> dict:
+    """mlx-lm's quantized SDPA against the dequantized fallback, at decode and verify shapes."""
+    out = {}
+    for head_dim, n_q, n_kv in ((256, 24, 4), (64, 6, 2)):
+        for L in (1, 9):
+            S = 64 + L
+            q = mx.random.normal((1, n_q, L, head_dim)).astype(mx.bfloat16)
+            k, v = (mx.random.normal((1, n_kv, S, head_dim)).astype(mx.bfloat16) for _ in "kv")
+            qk, qv = (mx.quantize(x, group_size=64, bits=8) for x in (k, v))
+            kd, vd = (mx.dequantize(*x, group_size=64, bits=8) for x in (qk, qv))
+            mask = "causal" if L > 1 else None
+            scale = head_dim**-0.5
+            want = mx.fast.scaled_dot_product_attention(q, kd, vd, scale=scale, mask=mask)
+            name = f"d{head_dim}_L{L}"
+            try:
+                got = quantized_scaled_dot_product_attention(q, qk, qv, scale, mask, 64, 8)
+                mx.eval(got, want)
+                diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+                out[name] = f"quantized runs; max |diff| vs dequantized {diff:.3g}"
+            except Exception as exc:
+                mx.eval(want)
+                out[name] = f"quantized fails ({str(exc)[:80]}); dequantized runs"
+    return out
+
+
+def _end_to_end(tmp: Path) -> dict:
+    from .engine.drafter import load_drafter
+    from .engine.speculative import generate
+    from .engine.target import load_target
+    from .engine.tiny import make_tiny
+
+    target_dir, drafter_dir = make_tiny(tmp, "hybrid", "dflash2")
+    target = load_target(target_dir)
+    drafter = load_drafter(drafter_dir, target)
+    ids = target.tokenizer.encode("def fibonacci(n):\n    ")
+    block = [int(t) for t in np.random.default_rng(0).integers(10, 400, size=8)]
+    worst = 0.0
+    for keep in range(9):
+        cache = target.make_cache()
+        target.prefill(ids, cache)
+        _, _, tape = target.verify(mx.array(block), cache, drafter.cfg.target_layer_ids)
+        target.rollback(cache, tape, keep)
+        got, _ = target.forward(mx.array([7]), cache)
+        want, _ = target.forward(mx.array(ids + block[:keep] + [7]), target.make_cache())
+        worst = max(worst, mx.abs(got[-1] - want[-1]).max().item())
+    out = {"rollback_max_abs_diff": round(worst, 6), "rollback_ok": worst < 1e-3}
+    for kv in ("fp16", "q8"):
+        plain = [t for s in generate(target, ids, max_tokens=40, kv_mode=kv, eos_ids=set())
+                 for t in s.tokens]  # fmt: skip
+        spec = [t for s in generate(target, ids, drafter=drafter, max_tokens=40, kv_mode=kv,
+                                    eos_ids=set()) for t in s.tokens]  # fmt: skip
+        out[f"speculative_equals_plain_{kv}"] = spec == plain
+    return out
+
+
+def run(args) -> dict:
+    standin = getattr(args, "standin", False)
+    result = {"policy": cuda.report()}
+    if not cuda.is_cuda() and not standin:
+        return {**result, "skipped": "not a CUDA device", "ok": True}
+    kernel = gdn_cuda.gated_delta_cuda if not standin else _standin
+    saved = gdn.BLOCK_KERNEL
+    checks = {}
+    for name, shape in SHAPES.items():
+        for dtype in (mx.bfloat16, mx.float32):
+            checks[f"{name} {dtype}"] = gdn_cuda.check(kernel, *shape, dtype) or "ok"
+    result["gdn_kernel_checks"] = checks
+    kernel_ok = all(v == "ok" for v in checks.values())
+    if kernel_ok:
+        result["gdn_block_ms_seed_shape"] = {
+            T: _timings(kernel, SHAPES["seed"], T) for T in (8, 16)
+        }
+    try:
+        gdn.BLOCK_KERNEL = kernel if kernel_ok else None
+        with tempfile.TemporaryDirectory() as tmp:
+            result["end_to_end"] = _end_to_end(Path(tmp))
+        result["policy_after_load"] = cuda.report()  # the tiny target's load checked it too
+    finally:
+        gdn.BLOCK_KERNEL = saved
+    e2e = result["end_to_end"]
+    result["ok"] = kernel_ok and all(v for k, v in e2e.items() if k != "rollback_max_abs_diff")
+    result["q8_attention"] = _q8_attention()  # last: a failing MLX kernel may leave its stream
+    return result
+
+
+def add_parser(bsub) -> None:
+    c = bsub.add_parser("cuda", help="check and time the CUDA-only paths (fused GDN, Q8 KV)")
+    c.add_argument("--standin", action="store_true",
+                   help="off CUDA: run the checks with a pure-MLX stand-in for the kernel")  # fmt: skip
+    c.add_argument("--json", action="store_true")

@@ -1,0 +1,149 @@
+"""What runs differently on NVIDIA GPUs (MLX's CUDA backend), decided once, at import and at
+load, and said loudly (log lines, and `report()` for the benchmarks).
+
+- cuDNN SDPA off: MLX sends multi-row bf16/fp16 attention with head_dim <= 128 to cuDNN, which
+  builds an execution plan for every new key length (every verify round, every draft: ~20 ms
+  each on public measurements) and aborts the process once its plan cache has missed 512 times.
+  Importing this module sets MLX_CUDA_USE_CUDNN_SDPA=0 (and the older SPDA spelling) unless the
+  environment already sets it; MLX's own kernels (one-row vector kernel, composed ops) run those
+  calls instead. It must happen before the first attention call (the flag is read once).
+- Q8 KV: MLX CUDA lacks `quantized_matmul` for the attention's shapes, so mlx-lm's quantized
+  SDPA fails there; the attention reads dequantized copies of the 8-bit K/V (the cache itself,
+  and what the prompt cache saves, stay 8-bit). SANCTUM_Q8_ATTENTION=auto|quantized|dequantized
+  picks on any device (auto: dequantized on CUDA only).
+- Gated DeltaNet over a block: the fused kernel of gdn_cuda.py, compared at load with the MLX
+  path on this GPU (`prepare`) and used only when they agree; SANCTUM_GDN_KERNEL=off keeps the
+  MLX path. The comparison runs in a child process (a kernel that fails to build could leave
+  this process's GPU stream unusable) and is remembered per MLX version and kernel source in
+  $SANCTUM_HOME/cuda-checks.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import gdn, gdn_cuda
+
+log = logging.getLogger("sanctum.cuda")
+Q8_MODES = ("auto", "quantized", "dequantized")
+_CUDNN_FLAGS = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_CUDA_USE_CUDNN_SPDA")
+_checked: dict = {}  # (Hk, Hv, Dk, Dv, dtype) -> None (agrees) or why not
+
+
+def _cuda_available() -> bool:
+    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
+
+
+def is_cuda() -> bool:
+    """The default device is an NVIDIA GPU (MLX's CUDA backend)."""
+    return mx.default_device() == mx.gpu and not mx.metal.is_available() and _cuda_available()
+
+
+def _disable_cudnn_sdpa() -> None:
+    if _cuda_available() and not any(f in os.environ for f in _CUDNN_FLAGS):
+        for flag in _CUDNN_FLAGS:
+            os.environ[flag] = "0"
+
+
+_disable_cudnn_sdpa()
+
+
+def q8_dequantized() -> bool:
+    """Whether attention over an 8-bit KV cache reads dequantized K/V on this device."""
+    mode = os.environ.get("SANCTUM_Q8_ATTENTION", "auto")
+    if mode not in Q8_MODES:
+        raise ValueError(f"SANCTUM_Q8_ATTENTION must be one of {Q8_MODES}, got {mode!r}")
+    return mode == "dequantized" or (mode == "auto" and is_cuda())
+
+
+def prepare(gdn_shapes: set[tuple[int, int, int, int]], dtype: mx.Dtype) -> None:
+    """At load, on CUDA: check the fused GDN kernel on the model's head shapes (Hk, Hv, Dk, Dv)
+    and this activation dtype, and use it only when every shape agrees with the MLX path."""
+    if not is_cuda() or not gdn_shapes:
+        return
+    if os.environ.get("SANCTUM_GDN_KERNEL", "auto") == "off":
+        log.warning("GDN block kernel off (SANCTUM_GDN_KERNEL=off): the MLX path runs")
+        return
+    problems = []
+    for shape in sorted(gdn_shapes):
+        if not gdn_cuda.supported(*shape):
+            problems.append(f"{shape}: unsupported shape")
+            continue
+        key = (*shape, dtype)
+        if key not in _checked:
+            _checked[key] = verdict(shape, dtype)
+        if _checked[key] not in (None, "eager only"):
+            problems.append(f"{shape}: {_checked[key]}")
+    if problems:
+        gdn.BLOCK_KERNEL = None
+        log.error(
+            "GDN block kernel DISAGREES with the MLX path, using MLX: %s", "; ".join(problems)
+        )
+        print(f"sanctum: GDN CUDA kernel disabled: {'; '.join(problems)}", file=sys.stderr)
+        return
+    gdn.BLOCK_KERNEL = gdn_cuda.gated_delta_cuda
+    gdn.BLOCK_KERNEL_IN_COMPILE = "eager only" not in (_checked[(*s, dtype)] for s in gdn_shapes)
+    log.info("GDN block kernel checked on %s (%s): in use", sorted(gdn_shapes), dtype)
+
+
+def verdict(shape: tuple[int, int, int, int], dtype: mx.Dtype) -> str | None:
+    """gdn_cuda.verdict for this GPU, from a child process, remembered on disk."""
+    name = str(dtype).rsplit(".", 1)[-1]
+    source = hashlib.sha1(gdn_cuda._SOURCE.encode()).hexdigest()[:12]
+    key = f"mlx {mx.__version__} kernel {source} {list(shape)} {name}"
+    path = Path(os.environ.get("SANCTUM_HOME", Path.home() / ".cache" / "sanctum"))
+    path = path / "cuda-checks.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    cmd = [sys.executable, "-m", "sanctum.engine.gdn_cuda", json.dumps(list(shape)), name]
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    except subprocess.TimeoutExpired:
+        return "the check process timed out"  # not remembered: maybe a busy machine
+    try:
+        result = json.loads(run.stdout.strip().splitlines()[-1])["verdict"]
+    except (ValueError, IndexError, KeyError, TypeError):
+        result = f"the check process exited {run.returncode}: {run.stderr[-300:]}"
+    known[key] = result
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known, indent=1))
+    except OSError:
+        pass
+    return result
+
+
+def pad_rows(x: mx.array, multiple: int = 8) -> mx.array:
+    """[R, H] -> [R', H], R' the next multiple of `multiple`, zero rows added, on CUDA only:
+    MLX CUDA's 4-bit matmul runs one one-row kernel per row below 8 rows (a 7-row draft head
+    costs ~7 one-row products), and a matrix kernel from 8 rows on (measured,
+    ../shared/device/README.md). The caller slices the result back to R rows."""
+    pad = (-x.shape[0]) % multiple
+    if pad == 0 or not is_cuda():
+        return x
+    return mx.concatenate([x, mx.zeros((pad, *x.shape[1:]), x.dtype)])
+
+
+def report() -> dict:
+    """The decisions in force, for benchmark output."""
+    return {
+        "device": str(mx.default_device()),
+        "cuda": is_cuda(),
+        "cudnn_sdpa": {f: os.environ.get(f) for f in _CUDNN_FLAGS},
+        "q8_attention": "dequantized" if q8_dequantized() else "quantized",
+        "gdn_block_kernel": gdn.BLOCK_KERNEL is gdn_cuda.gated_delta_cuda,
+        "gdn_block_kernel_in_compile": gdn.BLOCK_KERNEL_IN_COMPILE,
+        "gdn_kernel_checks": {str(k[:4]) + f" {k[4]}": v or "ok" for k, v in _checked.items()},
+    }

@@ -1,0 +1,184 @@
+"""A fused CUDA kernel for the gated delta rule over a short block (a verify block, a rollback
+re-run), through `mx.fast.cuda_kernel`: one launch per layer instead of the chunked form's ~25
+small kernels.
+
+Contract: `gated_delta_cuda(q, k, v, g, beta, state)` computes what mlx-lm's `gated_delta_ops`
+computes (y [B, T, Hv, Dv] in q's dtype, final state [B, Hv, Dv, Dk] in float32), with the
+state in float32 registers: one warp per (batch, value head, value row), each lane holding
+Dk / 32 state elements, rows in time order. Used only on CUDA and only after `check` compared it
+with the MLX path on this GPU at load (engine/cuda.py); everywhere else the pure MLX path runs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import mlx.core as mx
+
+# The row count is a runtime input (a one-element array), so one compiled kernel serves every
+# block and rollback length; the head shapes are template constants.
+_SOURCE = """
+    const int n_steps = steps[0];
+    const int lane = threadIdx.x;
+    const int dv = blockIdx.y * blockDim.y + threadIdx.y;
+    const int n = blockIdx.z;  // b * Hv + hv
+    const int b = n / Hv;
+    const int hv = n % Hv;
+    const int hk = hv / (Hv / Hk);
+    constexpr int NPT = Dk / 32;
+
+    const float* q_ = q + (size_t)b * n_steps * Hk * Dk + hk * Dk + NPT * lane;
+    const float* k_ = k + (size_t)b * n_steps * Hk * Dk + hk * Dk + NPT * lane;
+    const float* v_ = v + (size_t)b * n_steps * Hv * Dv + hv * Dv + dv;
+    float* y_ = y + (size_t)b * n_steps * Hv * Dv + hv * Dv + dv;
+    const float* g_ = g + (size_t)b * n_steps * Hv + hv;
+    const float* beta_ = beta + (size_t)b * n_steps * Hv + hv;
+    const float* s_in = state_in + ((size_t)n * Dv + dv) * Dk + NPT * lane;
+    float* s_out = state_out + ((size_t)n * Dv + dv) * Dk + NPT * lane;
+
+    float s[NPT];
+    for (int i = 0; i < NPT; ++i) {
+      s[i] = s_in[i];
+    }
+    for (int t = 0; t < n_steps; ++t) {
+      const float gt = *g_;
+      float kv = 0.0f;
+      for (int i = 0; i < NPT; ++i) {
+        s[i] = s[i] * gt;
+        kv += s[i] * k_[i];
+      }
+      for (int off = 16; off > 0; off >>= 1) {
+        kv += __shfl_xor_sync(0xffffffff, kv, off);
+      }
+      const float delta = (*v_ - kv) * (*beta_);
+      float out = 0.0f;
+      for (int i = 0; i < NPT; ++i) {
+        s[i] = s[i] + k_[i] * delta;
+        out += s[i] * q_[i];
+      }
+      for (int off = 16; off > 0; off >>= 1) {
+        out += __shfl_xor_sync(0xffffffff, out, off);
+      }
+      if (lane == 0) {
+        *y_ = out;
+      }
+      q_ += Hk * Dk;
+      k_ += Hk * Dk;
+      v_ += Hv * Dv;
+      y_ += Hv * Dv;
+      g_ += Hv;
+      beta_ += Hv;
+    }
+    for (int i = 0; i < NPT; ++i) {
+      s_out[i] = s[i];
+    }
+"""
+_kernel = None
+ROWS_PER_BLOCK = 4  # value rows (warps) per thread block
+
+
+def supported(Hk: int, Hv: int, Dk: int, Dv: int) -> bool:
+    """Shapes the kernel handles: whole warps over Dk, whole blocks over Dv."""
+    return Dk % 32 == 0 and Dv % ROWS_PER_BLOCK == 0 and Hv % Hk == 0
+
+
+def gated_delta_cuda(
+    q: mx.array,  # [B, T, Hk, Dk] (normalised, readout scale folded in)
+    k: mx.array,  # [B, T, Hk, Dk]
+    v: mx.array,  # [B, T, Hv, Dv]
+    g: mx.array,  # [B, T, Hv] decay (linear space)
+    beta: mx.array,  # [B, T, Hv]
+    state: mx.array,  # [B, Hv, Dv, Dk]
+) -> tuple[mx.array, mx.array]:
+    """(y [B, T, Hv, Dv], state [B, Hv, Dv, Dk] float32); CUDA only."""
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="sanctum_gated_delta",
+            input_names=["q", "k", "v", "g", "beta", "state_in", "steps"],
+            output_names=["y", "state_out"],
+            source=_SOURCE,
+        )
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    f32 = mx.float32  # all in float32: the casts are a few small fused ops, the kernel one type
+    y, state_out = _kernel(
+        inputs=[
+            q.astype(f32),
+            k.astype(f32),
+            v.astype(f32),
+            g.astype(mx.float32),
+            beta.astype(mx.float32),
+            state.astype(mx.float32),
+            mx.array([T], dtype=mx.int32),
+        ],
+        template=[("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        grid=(32, Dv, B * Hv),
+        threadgroup=(32, ROWS_PER_BLOCK, 1),
+        output_shapes=[(B, T, Hv, Dv), (B, Hv, Dv, Dk)],
+        output_dtypes=[f32, f32],
+    )
+    return y.astype(q.dtype), state_out
+
+
+def check(
+    fn,
+    Hk: int,
+    Hv: int,
+    Dk: int,
+    Dv: int,
+    dtype: mx.Dtype,
+    rows=(1, 3, 8, 16),
+    compiled: bool = True,
+) -> str | None:
+    """Compare `fn` (the kernel, or a stand-in) with mlx-lm's `gated_delta_ops` on random inputs
+    of these head shapes, eagerly (and inside mx.compile with `compiled`); None when they
+    agree, else why not."""
+    from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
+
+    key = mx.random.key(16)
+    for T in rows:
+        ks = mx.random.split(key, 7)
+        key = ks[0]
+        q = mx.random.normal((1, T, Hk, Dk), key=ks[1])
+        k = mx.random.normal((1, T, Hk, Dk), key=ks[2])
+        q, k = normalize_qk(q.astype(dtype), k.astype(dtype), inv_scale=Dk**-0.5, eps=1e-6)
+        v = mx.random.normal((1, T, Hv, Dv), key=ks[3]).astype(dtype)
+        g = mx.exp(-mx.random.uniform(0.01, 2.0, (1, T, Hv), key=ks[4]))
+        beta = mx.sigmoid(mx.random.normal((1, T, Hv), key=ks[5])).astype(dtype)
+        state = 0.3 * mx.random.normal((1, Hv, Dv, Dk), key=ks[6])
+        want_y, want_s = gated_delta_ops(q, k, v, g, beta, state)
+        try:
+            results = {"eager": fn(q, k, v, g, beta, state)}
+            if compiled:
+                results["compiled"] = mx.compile(fn)(q, k, v, g, beta, state)
+            mx.eval(want_y, want_s, results)
+        except Exception as exc:  # a kernel that does not build or run on this GPU
+            return f"T={T}: {exc.__class__.__name__}: {str(exc)[:300]}"
+        tol = 2e-2 if dtype != mx.float32 else 1e-4
+        for name, (y, s) in results.items():
+            if y.dtype != want_y.dtype or s.dtype != mx.float32:
+                return f"T={T} {name}: dtypes {y.dtype}, {s.dtype}"
+            dy = mx.abs(y.astype(mx.float32) - want_y.astype(mx.float32)).max().item()
+            ds = mx.abs(s - want_s).max().item()
+            if not (dy <= tol and ds <= 1e-3):  # also false for NaN
+                return f"T={T} {name}: max |dy|={dy:.3g}, max |dstate|={ds:.3g}"
+    return None
+
+
+def verdict(Hk: int, Hv: int, Dk: int, Dv: int, dtype: mx.Dtype) -> str | None:
+    """`check` of the kernel inside mx.compile and, failing that, eagerly: None (it agrees),
+    "eager only", or why it does not."""
+    result = check(gated_delta_cuda, Hk, Hv, Dk, Dv, dtype)
+    if (
+        result is not None
+        and check(gated_delta_cuda, Hk, Hv, Dk, Dv, dtype, compiled=False) is None
+    ):
+        return "eager only"
+    return result
+
+
+if __name__ == "__main__":  # engine/cuda.py runs the check here, in a child process
+    shape, dtype_name = json.loads(sys.argv[1]), sys.argv[2]
+    print(json.dumps({"verdict": verdict(*shape, getattr(mx, dtype_name))}))

@@ -1,0 +1,65 @@
+"""The drafter body as the decode loop reaches it: a `DraftPeer`, which is a plain object in
+one process (`LocalDraftPeer`) or a proxy to a drafter actor in the cluster (cluster/drafter.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import mlx.core as mx
+
+from .drafter import Drafter
+
+# Rows of taps kept for a drafter that went away, replayed as its context when it returns.
+MAX_PENDING_TAP_ROWS = 4096
+
+
+class DraftUnavailable(RuntimeError):
+    """The drafter cannot answer now (its process died or is restarting): decode plainly."""
+
+
+class DraftPeer(Protocol):
+    """What the verifier needs from the drafter body, wherever it runs.
+
+    A peer in another process is `pipelined`: it also has `submit` (same arguments as `draft`,
+    returns a handle at once), `collect(handle) -> hidden` and `discard(handle)`, so that the
+    decoder can ask for a sequence's next block as soon as a round's tokens are accepted and
+    roll back its caches while the drafter computes."""
+
+    pipelined: bool
+
+    def open(self, seq_id: str) -> None: ...
+
+    def draft(
+        self, seq_id: str, new_taps: mx.array | None, block_embeds: mx.array, start: int
+    ) -> mx.array:
+        """new_taps [C, n_taps*H] of rows start-C..start-1, block_embeds [L, H] -> hidden [L-1, H]."""
+        ...
+
+    def close(self, seq_id: str) -> None: ...
+
+
+class LocalDraftPeer:
+    """The drafter body in this process, with one context cache per open sequence. Not
+    pipelined: one thread would run the draft and the rollback one after the other anyway."""
+
+    pipelined = False
+
+    def __init__(self, drafter: Drafter):
+        self.body = drafter.body
+        self.caches: dict[str, list] = {}
+
+    def open(self, seq_id: str) -> None:
+        self.caches[seq_id] = self.body.make_cache()
+
+    def draft(self, seq_id, new_taps, block_embeds, start):
+        if seq_id not in self.caches:
+            raise DraftUnavailable(f"sequence {seq_id} is not open on this drafter")
+        if new_taps is not None and (keep := self.body.context_rows_needed()) is not None:
+            new_taps = new_taps[-keep:]
+        taps = new_taps[None] if new_taps is not None else None
+        hidden = self.body(block_embeds[None], start, taps, self.caches[seq_id])
+        return hidden[0, 1:]
+
+    def close(self, seq_id: str) -> None:
+        self.caches.pop(seq_id, None)

@@ -1,0 +1,286 @@
+"""`sanctum bench seed`: the engine at the seed's scale, on random weights, in one run.
+
+Builds (once, kept under `--dir`) a Qwen3.5-27B-shaped 4-bit target and the seed's DFlash 2
+drafter (seedbuild.py), loads them through `load_target` / `load_drafter`, and prints:
+plain tok/s of this engine and of mlx-lm's own greedy `generate_step` on the same model object,
+verify(L) / decode(1) for L = 4, 8, 16, the round split (draft, verify, rollback, other), the
+break-even tau (round / decode), the projected speed-up at tau 4, 5, 6, 8 (tau * decode /
+round) and, to check the projection, the measured speed-up with acceptance forced to each tau
+(random weights accept nothing; the forced round runs the real drafter, verify and rollback
+and commits tau tokens). Per-phase timings (seedphases.py) say where a forward's time goes.
+`--json` prints one object with the keys plain_tok_s, mlx_lm_tok_s, verify_ratio (L -> ratio),
+round_ms, break_even_tau and projected_speedup (tau -> x), and the rest.
+
+Imports no Ray and no gRPC: it runs where only MLX, mlx-lm and numpy are installed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import ArraysCache
+
+from .engine import cuda, gdn
+from .engine.sampling import SamplingParams, greedy_tokens
+from .engine.speculative import Decoder, LocalDraftPeer, make_key
+from .engine.target import load_target
+from .seedbuild import SMALL, SeedShape, ensure
+
+TAUS = (4, 5, 6, 8)
+VERIFY_ROWS = (4, 8, 16)
+
+
+class ForcedDecoder(Decoder):
+    """The real drafter, verify and rollback, with acceptance forced to `tau - 1` drafts a round
+    (or the real rule when tau is None): what a round costs at that acceptance."""
+
+    def __init__(self, target, drafter, block_size: int, tau: int | None):
+        super().__init__(target, drafter, LocalDraftPeer(drafter), block_size)
+        self.tau = tau
+
+    def _accept(self, drafts, q, logits, params, key):
+        if self.tau is None:
+            return super()._accept(drafts, q, logits, params, key)
+        accepted = min(self.tau - 1, drafts.shape[0])
+        return accepted, int(greedy_tokens(logits)[accepted].item())
+
+
+def _decode(decoder: Decoder, prompt: list[int], max_tokens: int, kv: str):
+    """Greedy decode; (tokens, round stats, decode-only seconds: after the first token)."""
+    seq = decoder.new_sequence("seed", kv)
+    params, key = SamplingParams(), make_key(0)
+    logits = decoder.prefill(seq, prompt)
+    tokens = list(decoder.start(seq, logits, params, max_tokens, set(), key).tokens)
+    t0, stats = time.perf_counter(), []
+    while seq.finished is None:
+        step = decoder.step(seq, params, max_tokens, set(), key)
+        tokens += step.tokens
+        stats.append(step.stats)
+    elapsed = time.perf_counter() - t0
+    decoder.close(seq)
+    return tokens, stats, elapsed
+
+
+def _mlx_lm_decode(model, prompt: list[int], max_tokens: int):
+    from mlx_lm.generate import generate_step
+
+    tokens, t0 = [], None
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        tokens.append(int(tok))
+        if t0 is None:
+            t0 = time.perf_counter()
+    return tokens, time.perf_counter() - t0
+
+
+def _same_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _sync_ms(fn, reps: int) -> float:
+    """Median wall ms of `fn()` (which evaluates what it builds) over `reps` calls, after one."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def verify_costs(target, prompt: list[int], tap_ids, reps: int, kv: str) -> tuple[dict, list]:
+    """decode(1) and verify(L) on the prefilled prompt, each synced and then undone; and that
+    prefilled cache."""
+    cache = target.make_cache(kv)
+    target.prefill(prompt, cache)
+    offset, rng = len(prompt), np.random.default_rng(1)
+
+    def held():  # what a step leaves in the cache
+        return [c.cache if isinstance(c, ArraysCache) else c.state for c in cache]
+
+    def decode():
+        states = target.recurrent_state(cache)
+        logits, _ = target.forward(mx.array([7]), cache)
+        mx.eval(logits, held())
+        target.truncate(cache, offset, states)
+
+    def verify(L):
+        block = mx.array(rng.integers(10, target.vocab_size - 10, size=L).tolist())
+        logits, taps, tape = target.verify(block, cache, tap_ids)
+        mx.eval(logits, taps, held())
+        mx.eval(target.rollback(cache, tape, 0))
+
+    out = {"decode_ms": round(_sync_ms(decode, reps), 3), "verify_ms": {}}
+    for L in VERIFY_ROWS:
+        out["verify_ms"][L] = round(_sync_ms(lambda L=L: verify(L), reps), 3)
+    out["verify_ratio"] = {L: round(ms / out["decode_ms"], 3) for L, ms in out["verify_ms"].items()}
+    return out, cache
+
+
+def _round_split(stats) -> dict:
+    spec = [s for s in stats if s.bs > 1]
+    n = max(1, len(spec))
+    split = {p: round(1000 * sum(getattr(s, f"{p}_s") for s in spec) / n, 3)
+             for p in ("draft", "verify", "rollback", "other")}  # fmt: skip
+    split["total"] = round(sum(split.values()), 3)
+    return split
+
+
+def _shape(args) -> SeedShape:
+    scale = args.scale
+    if scale == "auto":
+        scale = "seed" if mx.default_device() == mx.gpu else "small"
+    shape = SMALL if scale == "small" else SeedShape()
+    shape = replace(shape, layers=args.layers or shape.layers)
+    for field in ("hidden", "intermediate", "vocab", "drafter_layers"):
+        if getattr(args, field) is not None:
+            shape = replace(shape, **{field: getattr(args, field)})
+    return shape
+
+
+def plain_figures(target, prompt: list[int], n: int, repeats: int, kv: str) -> dict:
+    """This engine's plain greedy decode against mlx-lm's on the same model object, pairs
+    interleaved; the same without queued steps (one sync per token, the old loop); and the
+    token agreement, also with the prefill computed as mlx-lm computes it."""
+    plain, unqueued = Decoder(target), Decoder(target)
+    unqueued._runs_ahead = lambda params: False
+    for dec in (plain, unqueued):
+        _decode(dec, prompt, 8, kv)
+    _mlx_lm_decode(target.model, prompt, 8)
+    ours, theirs, old = [], [], []
+    for _ in range(repeats):
+        tokens, _, s = _decode(plain, prompt, n, kv)
+        ours.append((len(tokens) - 1) / s)
+        m_tokens, m_s = _mlx_lm_decode(target.model, prompt, n)
+        theirs.append((len(m_tokens) - 1) / m_s)
+        u_tokens, _, u_s = _decode(unqueued, prompt, n, kv)
+        old.append((len(u_tokens) - 1) / u_s)
+    out = {"plain_tok_s": round(statistics.median(ours), 2),
+           "mlx_lm_tok_s": round(statistics.median(theirs), 2),
+           "plain_unqueued_tok_s": round(statistics.median(old), 2)}  # fmt: skip
+    out["plain_vs_mlx_lm"] = round(out["plain_tok_s"] / out["mlx_lm_tok_s"], 3)
+    out["plain_equals_mlx_lm_tokens"] = f"{_same_prefix(tokens, m_tokens)}/{len(m_tokens)}"
+    gdn.MLX_LM_PREFILL = True
+    try:
+        x_tokens = _decode(plain, prompt, n, kv)[0]
+    finally:
+        gdn.MLX_LM_PREFILL = False
+    out["plain_equals_mlx_lm_tokens_same_prefill"] = (
+        f"{_same_prefix(x_tokens, m_tokens)}/{len(m_tokens)}"
+    )
+    return out, tokens
+
+
+def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_tokens) -> dict:
+    """The round split at forced acceptance (phases synced), break-even tau and projections;
+    the speed-up measured at each forced tau (no phase syncs); the real rule's output."""
+    L = drafter.block_size
+    decode_ms = 1000 / plain_tok_s
+    forced = ForcedDecoder(target, drafter, L, split_tau)
+    forced.profile = True
+    _decode(forced, prompt, 2 * L, kv)
+    split = _round_split(_decode(forced, prompt, n, kv)[1])
+    total = split["total"]
+    out = {"round_ms": split,
+           "round_share": {p: round(v / total, 3) for p, v in split.items() if p != "total"},
+           "break_even_tau": round(total / decode_ms, 3),
+           "projected_speedup": {t: round(t * decode_ms / total, 3) for t in TAUS}}  # fmt: skip
+    measured = {}
+    for tau in TAUS:
+        tokens, _, s = _decode(ForcedDecoder(target, drafter, L, min(tau, L)), prompt, n, kv)
+        measured[tau] = round((len(tokens) - 1) / s / plain_tok_s, 3)
+    out["measured_speedup"] = measured
+    s_tokens, stats, _ = _decode(ForcedDecoder(target, drafter, L, None), prompt, n, kv)
+    out["speculative_equals_plain_tokens"] = f"{_same_prefix(s_tokens, plain_tokens)}/{n}"
+    spec = [s for s in stats if s.bs > 1]
+    out["random_drafter_tau"] = round(sum(s.accepted + 1 for s in spec) / max(1, len(spec)), 3)
+    return out
+
+
+def seed(args) -> dict:
+    from .config import sanctum_home
+    from .engine.drafter import load_drafter
+
+    shape = _shape(args)
+    root = Path(args.dir).expanduser() if args.dir else sanctum_home() / "seed"
+    say = lambda msg: print(f"[seed] {msg}", file=sys.stderr, flush=True)
+    target_dir, drafter_dir, build_s = ensure(root, shape, say, with_drafter=not args.plain_only)
+    t0 = time.perf_counter()
+    target = load_target(target_dir)
+    drafter = None
+    if not args.plain_only:
+        drafter = load_drafter(drafter_dir, target, block_size=args.block_size)
+    load_s = time.perf_counter() - t0
+    say(f"loaded in {load_s:.1f} s: {cuda.report()}")
+    n, kv, *other_kv = args.max_tokens, *args.kv.split(",")
+    prompt = np.random.default_rng(0).integers(10, shape.vocab - 10, args.prompt_tokens).tolist()
+    result = {"shape": shape.key(), "block_size": drafter.block_size if drafter else None, "kv": kv,
+              "prompt_tokens": len(prompt), "max_tokens": n, "build_s": round(build_s, 1),
+              "load_s": round(load_s, 1), "policy": cuda.report()}  # fmt: skip
+    say("plain decode: this engine vs mlx-lm")
+    figures, plain_tokens = plain_figures(target, prompt, n, args.repeats, kv)
+    result.update(figures)
+    say("verify(L) vs decode(1)")
+    tap_ids = tuple(shape.tap_ids)
+    costs, cache = verify_costs(target, prompt, tap_ids, args.reps, kv)
+    result.update(costs)
+    if gdn.BLOCK_KERNEL is not None:  # the same without the fused kernel: its before/after
+        kernel, gdn.BLOCK_KERNEL = gdn.BLOCK_KERNEL, None
+        try:
+            result["without_gdn_kernel"] = verify_costs(target, prompt, tap_ids, args.reps, kv)[0]
+        finally:
+            gdn.BLOCK_KERNEL = kernel
+    if drafter is None:  # --plain-only
+        return result
+    say(f"rounds at block {drafter.block_size}, acceptance forced")
+    result.update(round_figures(target, drafter, prompt, n, kv, args.split_tau,
+                                result["plain_tok_s"], plain_tokens))  # fmt: skip
+    if not args.no_phases:
+        from .seedphases import drafter_phases, layer_phases
+
+        say("per-phase timings")
+        taps = target.prefill(prompt, target.make_cache(kv), tap_ids)[1]
+        result["phases"] = layer_phases(target, cache, reps=args.reps)
+        result["phases"]["drafter"] = drafter_phases(target, drafter, mx.concatenate(taps),
+                                                     args.reps)  # fmt: skip
+    for mode in other_kv:
+        say(f"kv {mode}: plain and speculative at forced tau 5")
+        p_tok, _, p_s = _decode(Decoder(target), prompt, n, mode)
+        s_tok, _, s_s = _decode(ForcedDecoder(target, drafter, drafter.block_size, 5), prompt,
+                                n, mode)  # fmt: skip
+        result[f"kv_{mode}"] = {"plain_tok_s": round((len(p_tok) - 1) / p_s, 2),
+                                "speculative_tau5_tok_s": round((len(s_tok) - 1) / s_s, 2),
+                                "plain_equals_fp16_tokens":
+                                    f"{_same_prefix(p_tok, plain_tokens)}/{n}"}  # fmt: skip
+    return result
+
+
+def add_parser(bsub) -> None:
+    s = bsub.add_parser("seed", help="the seed's shapes on random weights: plain vs mlx-lm, "
+                        "verify/decode, round split, break-even tau")  # fmt: skip
+    s.add_argument("--dir", help="checkpoint cache (default ~/.cache/sanctum/seed)")
+    s.add_argument("--layers", type=int, help="target depth (default 64)")
+    s.add_argument("--scale", choices=("auto", "seed", "small"), default="auto",
+                   help="small: hidden 256, intermediate 512, vocab 8192, 2 drafter layers "
+                   "(the head shapes stay the seed's); auto: seed on a GPU, small on a CPU, "
+                   "which cannot run the seed's width in minutes")  # fmt: skip
+    s.add_argument("--hidden", type=int)
+    s.add_argument("--intermediate", type=int)
+    s.add_argument("--vocab", type=int)
+    s.add_argument("--drafter-layers", type=int)
+    s.add_argument("--block-size", type=int, help="draft block (default the drafter's, 8)")
+    s.add_argument("--prompt-tokens", type=int, default=128)
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--repeats", type=int, default=3, help="plain vs mlx-lm pairs")
+    s.add_argument("--reps", type=int, default=8, help="timed calls per verify/phase figure")
+    s.add_argument("--split-tau", type=int, default=5, help="forced tau of the round split")
+    s.add_argument("--kv", default="fp16,q8", help="KV formats: the first is measured in full")
+    s.add_argument("--no-phases", action="store_true")
+    s.add_argument("--plain-only", action="store_true",
+                   help="no drafter: plain vs mlx-lm and verify/decode only (an A/B of MLX settings)")  # fmt: skip
+    s.add_argument("--json", action="store_true")

@@ -1,0 +1,31 @@
+"""GPU-only: the fused GDN kernel and the Q8 attention fallback on an NVIDIA GPU (MLX's CUDA
+backend), against the pure MLX paths. Skipped elsewhere; the CPU runs the same checks with a
+pure-MLX stand-in (test_decode.py, test_seedbench.py)."""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+import mlx.core as mx
+import pytest
+from sanctum.engine import cuda, gdn_cuda
+
+pytestmark = pytest.mark.skipif(not cuda.is_cuda(), reason="needs MLX's CUDA backend")
+
+
+@pytest.mark.parametrize("shape", [(16, 48, 128, 128), (4, 8, 64, 64), (2, 4, 32, 32)])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_gdn_kernel_matches_mlx_lm_ops(shape, dtype):
+    assert (
+        gdn_cuda.check(gdn_cuda.gated_delta_cuda, *shape, dtype, rows=(1, 2, 5, 8, 16, 33)) is None
+    )
+
+
+def test_cuda_paths_end_to_end():
+    """bench cuda: kernel checks, the Q8 fallback, rollback and lossless greedy with the kernel."""
+    from sanctum.cudabench import run
+
+    result = run(Namespace(standin=False))
+    assert result["ok"], result
+    assert result["policy_after_load"]["gdn_block_kernel"]
+    assert result["policy"]["q8_attention"] == "dequantized"

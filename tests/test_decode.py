@@ -1,0 +1,355 @@
+"""Issue 16's engine changes: no silent widening in a bf16 model (prefill, verify, rollback,
+KV, taps, drafter, saved prompt-cache states); plain greedy equal to mlx-lm's greedy decode;
+the pipelined plain step exact when a request stops (EOS, max_tokens, stop string, cancel);
+attention over 8-bit KV through dequantized copies (MLX CUDA's fallback) equal to the
+quantized path; the fused-GDN dispatch (CUDA) driven on the CPU by a pure-MLX stand-in."""
+
+from __future__ import annotations
+
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import sanctum.engine.gdn as gdn
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import ArraysCache, QuantizedKVCache
+from mlx_lm.models.gated_delta import gated_delta_ops
+from sanctum.engine import gdn_cuda
+from sanctum.engine.drafter import load_drafter
+from sanctum.engine.sampling import SamplingParams
+from sanctum.engine.speculative import Decoder, LocalDraftPeer, generate, make_key
+from sanctum.engine.target import cache_offset, load_target
+
+PROMPT = "def fibonacci(n):\n    "
+
+
+def tokens_of(steps) -> list[int]:
+    return [t for s in steps for t in s.tokens]
+
+
+@pytest.fixture(scope="module")
+def pair(make_pair):
+    target_dir, drafter_dir = make_pair("hybrid", "dflash2")
+    target = load_target(target_dir)
+    return target, load_drafter(drafter_dir, target)
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(make_pair, tmp_path_factory):
+    """The tiny hybrid pair saved in bf16, loaded in bf16 on the CPU too (keep_dtype)."""
+    root = tmp_path_factory.mktemp("bf16")
+    for src in make_pair("hybrid", "dflash2"):
+        shutil.copytree(src, root / src.name)
+        f = root / src.name / "model.safetensors"
+        weights = {k: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) else v
+                   for k, v in mx.load(str(f)).items()}  # fmt: skip
+        mx.save_safetensors(str(f), weights, metadata={"format": "pt"})
+    target = load_target(root / "target", keep_dtype=True)
+    return target, load_drafter(root / "drafter", target, keep_dtype=True)
+
+
+def _floats(cache) -> list:
+    out = []
+    for c in cache:
+        if isinstance(c, ArraysCache):
+            out.append(("conv", c[0].dtype))
+        elif isinstance(c, QuantizedKVCache):
+            out += [("kv_scales", c.keys[1].dtype), ("kv_biases", c.values[2].dtype)]
+        else:
+            out += [("keys", c.keys.dtype), ("values", c.values.dtype)]
+    return out
+
+
+@pytest.mark.parametrize("kv", ["fp16", "q8"])
+def test_bf16_model_never_widens(bf16_pair, kv):
+    """Everything the decode path keeps or hands on stays bf16; only the recurrent state is
+    float32 (by design: mlx-lm's too)."""
+    from sanctum.cache.store import PromptStore
+    from sanctum.cluster.verifier import Verifier
+    from sanctum.requests import GenerateRequest
+
+    target, drafter = bf16_pair
+    assert target.dtype == mx.bfloat16
+    ids = target.tokenizer.encode(PROMPT * 3)
+    taps_ids = drafter.cfg.target_layer_ids
+    cache = target.make_cache(kv)
+    logits, taps = target.prefill(ids, cache, taps_ids)
+    bf16 = mx.bfloat16
+
+    def check(where):
+        assert all(d == bf16 for _, d in _floats(cache)), (where, _floats(cache))
+        assert all(s.dtype == mx.float32 for _, s in target.recurrent_state(cache)), where
+
+    assert logits.dtype == bf16 and all(t.dtype == bf16 for t in taps)
+    check("prefill")
+    block = mx.array([5, 6, 7, 8, 9, 10, 11, 12])
+    logits, vtaps, tape = target.verify(block, cache, taps_ids)
+    assert logits.dtype == bf16 and vtaps.dtype == bf16
+    check("verify")
+    target.rollback(cache, tape, 3)
+    check("rollback")
+    peer = LocalDraftPeer(drafter)
+    peer.open("s")
+    embeds = target.embed_tokens(mx.array([3] + [drafter.cfg.mask_token_id] * 7))
+    hidden = peer.draft("s", vtaps[:4], embeds, cache_offset(cache))
+    assert hidden.dtype == bf16 and all(c.keys.dtype == bf16 for c in peer.caches["s"])
+    # the prompt cache saves what the live cache holds: bf16 KV, float32 state, bf16 taps
+    store = PromptStore(1 << 30)
+    verifier = Verifier(target, drafter, peer, store, kv_mode=kv)
+    list(verifier.generate(GenerateRequest(prompt=PROMPT, max_tokens=12)))
+    (entry,) = store.entries()
+    assert all(a.dtype in (bf16, mx.uint32) for layer in entry.kv for a in layer)
+    assert entry.rungs and all(c.dtype == bf16 for s in entry.rungs.values() for c, _ in s)
+    assert entry.taps is not None and entry.taps.dtype == bf16
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, "import os\nclass A:", "hello world"])
+def test_bf16_plain_greedy_equals_mlx_lm(bf16_pair, prompt):
+    target, _ = bf16_pair
+    ids = target.tokenizer.encode(prompt)
+    want = [int(t) for t, _ in generate_step(mx.array(ids), target.model, max_tokens=40)]
+    assert tokens_of(generate(target, ids, max_tokens=40, eos_ids=set())) == want
+
+
+def test_bf16_long_prompt_equals_mlx_lm_with_its_prefill(bf16_pair, monkeypatch):
+    """A prompt past one chunk: the chunked prefill's float32 sums differ from mlx-lm's token
+    loop in the last bits; with the prefill computed as mlx-lm does, the decode is its own."""
+    target, _ = bf16_pair
+    ids = [int(t) for t in np.random.default_rng(3).integers(10, 400, size=150)]
+    want = [int(t) for t, _ in generate_step(mx.array(ids), target.model, max_tokens=24)]
+    monkeypatch.setattr(gdn, "MLX_LM_PREFILL", True)
+    assert tokens_of(generate(target, ids, max_tokens=24, eos_ids=set())) == want
+
+
+def run(decoder, target, ids, n, eos=(), stop_check=None, kv="fp16"):
+    seq = decoder.new_sequence("s", kv)
+    key = make_key(0)
+    steps = [decoder.start(seq, decoder.prefill(seq, ids), SamplingParams(), n, set(eos), key)]
+    while seq.finished is None:
+        steps.append(decoder.step(seq, SamplingParams(), n, set(eos), key, stop_check))
+    return seq, steps
+
+
+def assert_cache_exact(target, seq, ids):
+    """The cache holds exactly `cached_tokens` (prompt + completion, but the anchor unless an
+    EOS followed it), as a fresh forward over them would: no queued step left in it."""
+    assert seq.ahead is None
+    n = len(seq.cached_tokens)
+    assert n in (len(ids) + len(seq.completion) - 1, len(ids) + len(seq.completion))
+    assert seq.cached_tokens == (ids + seq.completion)[:n] and cache_offset(seq.cache) == n
+    live, _ = target.forward(mx.array([7]), seq.cache)
+    fresh, _ = target.forward(mx.array(seq.cached_tokens + [7]), target.make_cache())
+    np.testing.assert_allclose(np.array(live[-1]), np.array(fresh[-1]), atol=1e-4, rtol=1e-4)
+
+
+def test_plain_step_runs_ahead_and_stops_exactly(pair, monkeypatch):
+    from sanctum.tokenizer import TextStream
+
+    target, _ = pair
+    ids = target.tokenizer.encode(PROMPT)
+    queued = []
+    original = Decoder._queue_step
+    monkeypatch.setattr(Decoder, "_queue_step", lambda self, seq, tok: queued.append(1)
+                        or original(self, seq, tok))  # fmt: skip
+    ref = tokens_of(run(Decoder(target), target, ids, 48)[1])
+    assert len(queued) >= 46  # every step after the first was queued before it was read
+    want = [int(t) for t, _ in generate_step(mx.array(ids), target.model, max_tokens=48)]
+    assert ref == want
+    eos = next(t for t in ref[5:] if t not in ref[:5])
+    for kwargs, expect, reason in [
+        ({"eos": {eos}}, ref[: ref.index(eos)], "stop"),  # EOS: the queued step is undone
+        ({}, ref[:13], "length"),  # max_tokens: nothing queued past it
+    ]:
+        n = 13 if reason == "length" else 48
+        seq, steps = run(Decoder(target), target, ids, n, **kwargs)
+        assert tokens_of(steps) == expect and steps[-1].finish_reason == reason
+        assert_cache_exact(target, seq, ids)
+    text = target.tokenizer.decode(ref[:30])
+    stop = next((text[i : i + 3] for i in range(8, 24) if text[i : i + 3].strip()
+                 and "\ufffd" not in text[: i + 3] and text.find(text[i : i + 3]) == i), None)  # fmt: skip
+    if stop is not None:
+        stream = TextStream(target.tokenizer, [stop])
+        seq, steps = run(Decoder(target), target, ids, 48, stop_check=stream.check)
+        out = "".join(stream.push(s.tokens) for s in steps) + stream.finish()
+        assert out == text[: text.find(stop)] and steps[-1].finish_reason == "stop"
+        assert_cache_exact(target, seq, ids)
+    # cancelled between steps: close undoes the queued step
+    decoder = Decoder(target)
+    seq = decoder.new_sequence("c")
+    decoder.start(seq, decoder.prefill(seq, ids), SamplingParams(), 48, set(), make_key(0))
+    for _ in range(5):
+        decoder.step(seq, SamplingParams(), 48, set(), make_key(0))
+    assert seq.ahead is not None and cache_offset(seq.cache) == len(seq.cached_tokens) + 1
+    decoder.close(seq)
+    assert_cache_exact(target, seq, ids)
+
+
+def test_queued_plain_steps_leave_the_prompt_cache_as_unqueued_ones(monkeypatch):
+    """Chat turns with a prompt cache and no drafter: the committed state the re-encoding watch
+    and the save see is the same with queued (pipelined) steps as without, so every turn
+    resumes at the same place with the cold request's output."""
+    from sanctum.cache.store import PromptStore
+    from sanctum.cluster.verifier import Verifier
+    from sanctum.config import default_pair
+    from sanctum.requests import GenerateRequest
+
+    target = load_target(default_pair()[0])
+    seen = {}
+    for queued in (True, False):
+        if not queued:
+            monkeypatch.setattr(Decoder, "_runs_ahead", lambda self, params: False)
+        verifier = Verifier(target, None, None, PromptStore(1 << 30), ladder_depth=4)
+        messages = [
+            {"role": "user", "content": "Review this code:\ndef add(a, b):\n    return a+b"}
+        ]
+        seen[queued] = []
+        for turn in range(3):
+            out = {}
+            for use_cache in (False, True):
+                req = GenerateRequest(messages=tuple(messages), max_tokens=32, use_cache=use_cache)
+                chunks = list(verifier.generate(req))
+                out[use_cache] = [t for c in chunks for t in c.token_ids], chunks[-1].usage
+            assert out[True][0] == out[False][0]
+            u = out[True][1]
+            seen[queued].append((out[True][0], u.requested_lcp, u.resumed_at))
+            messages += [{"role": "assistant", "content": target.tokenizer.decode(out[True][0])},
+                         {"role": "user", "content": f"And now turn {turn + 2}."}]  # fmt: skip
+        assert all(resumed > 0 for _, _, resumed in seen[queued][1:])
+    assert seen[True] == seen[False]
+    monkeypatch.undo()
+    # mid-request, the committed state is the unqueued decoder's
+    ids = target.tokenizer.encode(PROMPT)
+    states = {}
+    for queued in (True, False):
+        decoder = Decoder(target)
+        if not queued:
+            decoder._runs_ahead = lambda params: False
+        seq = decoder.new_sequence("s")
+        decoder.start(seq, decoder.prefill(seq, ids), SamplingParams(), 40, set(), make_key(0))
+        for _ in range(6):
+            decoder.step(seq, SamplingParams(), 40, set(), make_key(0))
+        assert (seq.ahead is not None) == queued
+        states[queued] = decoder.committed_state(seq)
+        decoder.close(seq)
+    assert states[True][0] == states[False][0]
+    for (c1, s1), (c2, s2) in zip(states[True][1], states[False][1]):
+        np.testing.assert_array_equal(np.array(c1), np.array(c2))
+        np.testing.assert_array_equal(np.array(s1), np.array(s2))
+
+
+def test_q8_dequantized_attention_equals_quantized(pair, monkeypatch):
+    """MLX CUDA's fallback (dequantized K/V into the plain SDPA) against the quantized SDPA on
+    the CPU: logits within the Q8 tolerance (2e-2), the same greedy output, plain and
+    speculative. SANCTUM_Q8_ATTENTION selects it on any device."""
+    from sanctum.engine import cuda
+
+    assert not cuda.q8_dequantized()  # auto: quantized off CUDA
+    monkeypatch.setenv("SANCTUM_Q8_ATTENTION", "dequantized")
+    assert cuda.q8_dequantized()
+    monkeypatch.setenv("SANCTUM_Q8_ATTENTION", "bogus")
+    with pytest.raises(ValueError, match="SANCTUM_Q8_ATTENTION"):
+        cuda.q8_dequantized()
+    target, drafter = pair
+    ids = target.tokenizer.encode(PROMPT)
+    got = {}
+    try:
+        for deq in (False, True):
+            target.dequantize_q8 = deq
+            cache = target.make_cache("q8")
+            l1, _ = target.forward(mx.array(ids), cache)
+            l2, _, tape = target.verify(mx.array([5, 6, 7, 8, 9, 10, 11, 12]), cache, ())
+            target.rollback(cache, tape, 4)
+            l3, _ = target.forward(mx.array([3]), cache)
+            plain = tokens_of(generate(target, ids, max_tokens=32, kv_mode="q8", eos_ids=set()))
+            spec = tokens_of(generate(target, ids, drafter=drafter, max_tokens=32, kv_mode="q8",
+                                      eos_ids=set()))  # fmt: skip
+            got[deq] = [np.array(x) for x in (l1, l2, l3)] + [plain, spec]
+    finally:
+        target.dequantize_q8 = False
+    for a, b in zip(got[False][:3], got[True][:3]):
+        np.testing.assert_allclose(a, b, atol=2e-2, rtol=2e-2)
+    assert got[False][3] == got[True][3] == got[True][4]
+
+
+def _standin(q, k, v, g, beta, state):
+    return gated_delta_ops(q, k, v, g, beta, state)
+
+
+def test_block_kernel_check_accepts_the_reference_and_catches_a_bad_one():
+    assert gdn_cuda.check(_standin, 2, 4, 32, 32, mx.float32) is None
+    assert gdn_cuda.check(_standin, 2, 4, 32, 32, mx.bfloat16) is None
+
+    def off_by_a_bit(q, k, v, g, beta, state):
+        y, s = gated_delta_ops(q, k, v, g, beta, state)
+        return y * 1.1, s
+
+    assert "max |dy|" in gdn_cuda.check(off_by_a_bit, 2, 4, 32, 32, mx.float32)
+    assert gdn_cuda.supported(16, 48, 128, 128) and not gdn_cuda.supported(16, 48, 100, 128)
+
+
+def test_block_kernel_path_keeps_bf16(bf16_pair, monkeypatch):
+    """The kernel takes float32 inputs: its pass casts them, and casts y back, so a bf16 model's
+    verify still hands on bf16 logits, taps and conv state."""
+    target, drafter = bf16_pair
+    monkeypatch.setattr(gdn, "BLOCK_KERNEL", _standin)
+    cache = target.make_cache()
+    target.prefill(target.tokenizer.encode(PROMPT), cache)
+    logits, taps, tape = target.verify(mx.arange(5, 13), cache, drafter.cfg.target_layer_ids)
+    assert logits.dtype == taps.dtype == mx.bfloat16
+    assert all(t.inputs[0].dtype == mx.float32 for t in tape.gdn)  # taped as the kernel takes it
+    target.rollback(cache, tape, 3)
+    assert all(c.dtype == mx.bfloat16 and s.dtype == mx.float32
+               for c, s in target.recurrent_state(cache))  # fmt: skip
+
+
+def test_block_kernel_dispatch_rolls_back_exactly(pair, monkeypatch):
+    """With a block kernel installed (the CUDA path; here a pure-MLX stand-in), a verify keeps
+    the recurrence inputs and a rollback re-runs the kernel over the kept rows: every keep
+    matches a fresh forward, and speculative greedy still equals plain greedy."""
+    target, drafter = pair
+    monkeypatch.setattr(gdn, "BLOCK_KERNEL", _standin)
+    ids = target.tokenizer.encode(PROMPT)
+    block = [int(t) for t in np.random.default_rng(0).integers(10, 400, size=8)]
+    for keep in (0, 1, 3, 8):
+        cache = target.make_cache()
+        target.prefill(ids, cache)
+        _, _, tape = target.verify(mx.array(block), cache, drafter.cfg.target_layer_ids)
+        assert all(t.inputs is not None and t.chunk_parts is None for t in tape.gdn)
+        target.rollback(cache, tape, keep)
+        got, _ = target.forward(mx.array([7]), cache)
+        want, _ = target.forward(mx.array(ids + block[:keep] + [7]), target.make_cache())
+        np.testing.assert_allclose(np.array(got[-1]), np.array(want[-1]), atol=1e-4, rtol=1e-4)
+    plain = tokens_of(generate(target, ids, max_tokens=32, eos_ids=set()))
+    assert tokens_of(generate(target, ids, drafter=drafter, max_tokens=32, eos_ids=set())) == plain
+
+
+def test_draft_head_rows_padded_to_eight_on_cuda(pair, monkeypatch):
+    """On CUDA the L-1 draft rows go through the 4-bit LM head padded to 8 rows (a matrix
+    kernel, not L-1 one-row ones); the drafts and the output are unchanged."""
+    from sanctum.engine import cuda
+
+    target, drafter = pair
+    ids = target.tokenizer.encode(PROMPT)
+    want = tokens_of(generate(target, ids, drafter=drafter, max_tokens=32, eos_ids=set()))
+    x = mx.ones((7, 4))
+    assert cuda.pad_rows(x) is x  # not CUDA here
+    monkeypatch.setattr(cuda, "is_cuda", lambda: True)
+    assert cuda.pad_rows(x).shape == (8, 4) and cuda.pad_rows(mx.ones((16, 4))).shape == (16, 4)
+    got = tokens_of(generate(target, ids, drafter=drafter, max_tokens=32, eos_ids=set()))
+    assert got == want
+
+
+def test_kernel_verdict_comes_from_a_child_process_and_is_remembered(tmp_path, monkeypatch):
+    """cuda.verdict runs gdn_cuda's check in a child (here, off CUDA, it reports why the kernel
+    cannot run) and remembers the answer per MLX version and kernel source."""
+    import subprocess
+
+    from sanctum.engine import cuda
+
+    monkeypatch.setenv("SANCTUM_HOME", str(tmp_path))
+    first = cuda.verdict((2, 4, 32, 32), mx.float32)
+    assert first is not None and "T=1" in first  # no CUDA here: the check says so
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("ran the check again"))
+    assert cuda.verdict((2, 4, 32, 32), mx.float32) == first
+    assert (tmp_path / "cuda-checks.json").is_file()

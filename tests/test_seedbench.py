@@ -1,0 +1,100 @@
+"""`sanctum bench seed` and `sanctum bench cuda` end to end on the CPU (the GPU run is the
+lead's: deploy/gpu/run-seed-bench.sh), in a process that cannot import Ray or gRPC, as on the
+GPU machine; and the seed checkpoints' shapes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+# run the CLI where `import ray` / `import grpc` fail, as on the GPU machine
+NO_RAY = "import sys; sys.modules.update(ray=None, grpc=None); from sanctum.cli import main; "
+
+
+def sanctum(*argv: str, timeout: int = 300) -> dict:
+    code = NO_RAY + f"sys.exit(main({list(argv)!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=timeout, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_seed_config_is_qwen35_27b_and_the_seed_drafter():
+    from sanctum.seedbuild import SeedShape, drafter_config, target_config
+
+    text = target_config(SeedShape())["text_config"]
+    assert (text["num_hidden_layers"], text["hidden_size"], text["intermediate_size"]) == (
+        64, 5120, 17408)  # fmt: skip
+    assert (text["linear_num_key_heads"], text["linear_num_value_heads"]) == (16, 48)
+    assert (text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]) == (
+        24, 4, 256)  # fmt: skip
+    assert text["vocab_size"] == 248320 and not text["tie_word_embeddings"]
+    assert text["rope_parameters"]["partial_rotary_factor"] == 0.25
+    d = drafter_config(SeedShape())
+    assert d["dflash_config"]["target_layer_ids"] == [5, 19, 33, 47, 61]
+    assert d["dflash_config"]["block_size"] == 8 and "block_size" not in d
+    assert d["is_causal"] is False and d["sliding_window"] == 2048
+    assert d["layer_types"] == ["sliding_attention"] * 5 and d["hidden_size"] == 5120
+    assert replace(SeedShape(), layers=4).tap_ids == [0, 1, 2, 2, 3]
+
+
+@pytest.mark.slow
+def test_bench_seed_layers_4_json_runs_on_the_cpu(tmp_path):
+    r = sanctum("bench", "seed", "--layers", "4", "--json", "--dir", str(tmp_path),
+                "--max-tokens", "16", "--repeats", "1", "--reps", "1", "--prompt-tokens", "32")  # fmt: skip
+    for key in ("plain_tok_s", "mlx_lm_tok_s", "verify_ratio", "round_ms", "break_even_tau",
+                "projected_speedup"):  # fmt: skip
+        assert key in r, key
+    assert r["shape"].startswith("L4-") and r["plain_tok_s"] > 0 and r["mlx_lm_tok_s"] > 0
+    assert set(r["verify_ratio"]) == {"4", "8", "16"} and all(
+        v > 0 for v in r["verify_ratio"].values()
+    )
+    assert set(r["projected_speedup"]) == {"4", "5", "6", "8"}
+    split = r["round_ms"]
+    assert set(split) == {"draft", "verify", "rollback", "other", "total"}
+    assert split["total"] == pytest.approx(sum(v for k, v in split.items() if k != "total"), 0.01)
+    assert r["break_even_tau"] > 0
+    tau5 = r["projected_speedup"]["5"]
+    assert tau5 == pytest.approx(5 / r["break_even_tau"], rel=0.01)
+    # exactness at seed shapes (CPU: float32): plain == mlx-lm, speculative == plain
+    assert r["plain_equals_mlx_lm_tokens_same_prefill"] == "16/16"
+    assert r["speculative_equals_plain_tokens"] == "16/16"
+    assert r["kv_q8"]["plain_tok_s"] > 0 and "phases" in r
+    again = sanctum("bench", "seed", "--layers", "4", "--json", "--dir", str(tmp_path),
+                    "--max-tokens", "8", "--repeats", "1", "--reps", "1", "--no-phases",
+                    "--kv", "fp16")  # fmt: skip
+    assert again["build_s"] < r["build_s"] + 1  # reused, not rebuilt
+
+
+@pytest.mark.slow
+def test_bench_cuda_standin_runs_every_check():
+    r = sanctum("bench", "cuda", "--standin", "--json")
+    assert r["ok"], r
+    assert all(v == "ok" for v in r["gdn_kernel_checks"].values())
+    assert r["end_to_end"]["speculative_equals_plain_q8"]
+
+
+@pytest.mark.slow
+def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
+    """deploy/gpu/run-seed-bench.sh with small settings: every step passes, the summary has
+    the issue's rows."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable,
+               SEED_DIR=str(tmp_path / "seed"), SPEC_ARGS="--max-tokens 12 --repeats 1",
+               SEED_ARGS="--layers 2 --max-tokens 8 --repeats 1 --reps 1 --prompt-tokens 16",
+               VARIANT_ARGS="--layers 2 --max-tokens 8 --repeats 1 --reps 1 --prompt-tokens 16")  # fmt: skip
+    run = subprocess.run(["bash", "deploy/gpu/run-seed-bench.sh"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    for row in ("plain / mlx-lm", "verify(8) / decode(1)", "break-even tau",
+                "projected speed-up at tau 5", "default pair b16 q8"):  # fmt: skip
+        assert row in summary
+    assert json.loads((tmp_path / "out" / "seed.json").read_text())["shape"].startswith("L2-")
