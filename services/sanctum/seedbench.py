@@ -16,6 +16,7 @@ Imports no Ray and no gRPC: it runs where only MLX, mlx-lm and numpy are install
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -225,21 +226,26 @@ def seed(args) -> dict:
     say("plain decode: this engine vs mlx-lm")
     figures, plain_tokens = plain_figures(target, prompt, n, args.repeats, kv)
     result.update(figures)
-    say("verify(L) vs decode(1)")
+    say(f"plain: {json.dumps(figures)}")  # each section's figures as they come: a run cut
+    say("verify(L) vs decode(1)")  # short by its time limit still reports what it measured
     tap_ids = tuple(shape.tap_ids)
     costs, cache = verify_costs(target, prompt, tap_ids, args.reps, kv)
     result.update(costs)
+    say(f"verify: {json.dumps(costs)}")
     if gdn.BLOCK_KERNEL is not None:  # the same without the fused kernel: its before/after
         kernel, gdn.BLOCK_KERNEL = gdn.BLOCK_KERNEL, None
         try:
             result["without_gdn_kernel"] = verify_costs(target, prompt, tap_ids, args.reps, kv)[0]
+            say(f"verify without the GDN kernel: {json.dumps(result['without_gdn_kernel'])}")
         finally:
             gdn.BLOCK_KERNEL = kernel
     if drafter is None:  # --plain-only
         return result
     say(f"rounds at block {drafter.block_size}, acceptance forced")
-    result.update(round_figures(target, drafter, prompt, n, kv, args.split_tau,
-                                result["plain_tok_s"], plain_tokens))  # fmt: skip
+    rounds = round_figures(target, drafter, prompt, n, kv, args.split_tau, result["plain_tok_s"],
+                           plain_tokens)  # fmt: skip
+    result.update(rounds)
+    say(f"rounds: {json.dumps(rounds)}")
     if not args.no_phases:
         from .seedphases import drafter_phases, layer_phases
 
