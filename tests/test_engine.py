@@ -289,3 +289,26 @@ def test_target_forward_equals_mlx_lm_model(make_pair, kind):
         else:
             got, _ = target.forward(mx.array(piece), ours)
         np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_drafter_gets_only_its_window(make_pair, tmp_path):
+    """A drafter whose every layer slides is handed at most sliding_window - 1 context rows, by
+    the decoder itself (what crosses to a drafter process), and drafts losslessly after a prompt
+    longer than that window."""
+    from sanctum.engine.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
+
+    target_dir, _ = make_pair("hybrid", "dflash")
+    target, _ = load_pair(make_pair)
+    raw = DRAFTER_LAYOUTS["dflash2"](drafter_config("dflash", target_dir))
+    drafter = load_drafter(write_random_drafter(tmp_path / "d2", raw, seed=2), target)
+    window = drafter.cfg.sliding_window
+    decoder = Decoder(target, drafter, LocalDraftPeer(drafter))
+    assert decoder.max_pending_rows == window - 1
+    prompt = list(range(10, 10 + 4 * window))
+    seq = decoder.new_sequence("s")
+    decoder.prefill(seq, prompt)
+    assert sum(t.shape[0] for t in seq.pending_taps) == window - 1
+    want = tokens_of(generate(target, prompt, max_tokens=30, eos_ids=set()))
+    got = generate(target, prompt, drafter=drafter, sampling=SamplingParams(), max_tokens=30,
+                   eos_ids=set())  # fmt: skip
+    assert tokens_of(got) == want

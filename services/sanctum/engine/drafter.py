@@ -70,6 +70,13 @@ class DrafterConfig:
     def is_v2(self) -> bool:
         return self.architecture == "DFlash2DraftModel"
 
+    def context_rows_needed(self) -> int | None:
+        """How many trailing context rows any block can see (None: all): sliding_window - 1
+        when every layer slides."""
+        if all(t == "sliding_attention" for t in self.layer_types):
+            return self.sliding_window - 1
+        return None
+
     @classmethod
     def from_dict(cls, raw: dict, where: str = "drafter") -> DrafterConfig:
         archs = raw.get("architectures") or []
@@ -346,10 +353,7 @@ class DraftBody(nn.Module):
         return [layer.self_attn.make_cache() for layer in self.layers]
 
     def context_rows_needed(self) -> int | None:
-        """How many trailing context rows matter (None: all), when every layer slides."""
-        if all(t == "sliding_attention" for t in self.cfg.layer_types):
-            return self.cfg.sliding_window - 1
-        return None
+        return self.cfg.context_rows_needed()
 
     def __call__(
         self,

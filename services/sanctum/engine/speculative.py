@@ -119,6 +119,10 @@ class Decoder:
         self.peer = peer if drafter else None
         self.block_size = int(block_size or (drafter.block_size if drafter else 1))
         self.tap_ids = tuple(self.cfg.target_layer_ids) if self.cfg else ()
+        # taps kept for the drafter's next call: a sliding drafter never sees more than its
+        # window, so a long prompt hands it (and sends across processes) only that many rows
+        seen = self.cfg.context_rows_needed() if self.cfg else None
+        self.max_pending_rows = min(MAX_PENDING_TAP_ROWS, seen or MAX_PENDING_TAP_ROWS)
         self.keep_tap_history = False  # the prompt cache saves the drafter's context
         self.pipelined = bool(getattr(self.peer, "pipelined", False)) and self.block_size > 1
         self.profile = False  # sync after each phase of a round (accurate split, slower)
@@ -209,8 +213,8 @@ class Decoder:
         if self.keep_tap_history:
             seq.tap_history.extend(taps)
         rows = sum(t.shape[0] for t in seq.pending_taps)
-        if rows > MAX_PENDING_TAP_ROWS:
-            joined = mx.concatenate(seq.pending_taps)[-MAX_PENDING_TAP_ROWS:]
+        if rows > self.max_pending_rows:
+            joined = mx.concatenate(seq.pending_taps)[-self.max_pending_rows :]
             seq.pending_taps = [joined]
 
     def _sample_one(self, logits: mx.array, params: SamplingParams, key: mx.array) -> int:
