@@ -137,10 +137,10 @@ def test_stream_equals_inline_engine(client, reference):
 def test_seeded_sampling_equals_inline_roles(client, reference, pair):
     """Sampling (rejection rule) through the cluster, drafts asked a round ahead over shared
     memory, gives the tokens the inline roles give for the same seed."""
-    from sanctum.cluster.verifier import Verifier
     from sanctum.engine.drafter import load_drafter
     from sanctum.engine.speculative import LocalDraftPeer
-    from sanctum.requests import GenerateRequest
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.serving.verifier import Verifier
 
     target = reference.target
     drafter = load_drafter(pair[1], target)

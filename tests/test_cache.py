@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from sanctum.cache.ladder import choose_rungs, prefill_stops, restore_into
 from sanctum.cache.store import CacheEntry, PromptStore
-from sanctum.cluster.verifier import Verifier
 from sanctum.engine.drafter import load_drafter
 from sanctum.engine.speculative import LocalDraftPeer
 from sanctum.engine.target import load_target
-from sanctum.requests import GenerateRequest
+from sanctum.serving.requests import GenerateRequest
+from sanctum.serving.verifier import Verifier
 
 SYSTEM = {"role": "system", "content": "You are a careful Python assistant."}
 

@@ -207,8 +207,8 @@ def test_store_layout_and_service_roundtrip(tmp_path):
 
 def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
     from sanctum.cluster.backend import InlineBackend, serve_settings
-    from sanctum.cluster.scheduler import QueueFull
-    from sanctum.requests import GenerateRequest, InvalidRequest
+    from sanctum.serving.requests import GenerateRequest, InvalidRequest
+    from sanctum.serving.scheduler import QueueFull
 
     _, _, reference = engine
     # 20 ms per round: greedy runs of the tiny pair hit EOS after 46-850 tokens, and the
@@ -266,8 +266,8 @@ def test_queue_full_message_counts_what_stats_count(pair):
     """Issue 12: RESOURCE_EXHAUSTED said "0 requests decoding and 71 waiting" while 8 decoded: it
     left out requests being opened or prefilled. Now it gives the figures stats gives."""
     from sanctum.cluster.backend import InlineBackend, serve_settings
-    from sanctum.cluster.scheduler import QueueFull
-    from sanctum.requests import GenerateRequest
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.serving.scheduler import QueueFull
 
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
                                            max_queue=1, round_delay_ms=20, env={}))  # fmt: skip
@@ -302,7 +302,7 @@ def test_event_socket_streams_requests_and_cancels_orphans(pair, engine):
     from sanctum.cluster.backend import InlineBackend, serve_settings
     from sanctum.cluster.events import EventClient, EventServer
     from sanctum.cluster.transport import ChannelBroken
-    from sanctum.requests import GenerateRequest, InvalidRequest
+    from sanctum.serving.requests import GenerateRequest, InvalidRequest
 
     _, _, reference = engine
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none",
@@ -371,7 +371,7 @@ def test_long_prompt_prefills_in_slices_between_rounds(pair, engine):
     the other request's rounds in between (its stream does not stall for the whole prompt), and
     both outputs are still the engine's own."""
     from sanctum.cluster.backend import InlineBackend, serve_settings
-    from sanctum.requests import GenerateRequest
+    from sanctum.serving.requests import GenerateRequest
 
     _, _, reference = engine
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
@@ -412,7 +412,7 @@ def test_long_prompt_prefills_in_slices_between_rounds(pair, engine):
 def test_prefill_slices_shrink_to_fit_their_time():
     """A slice is PREFILL_SLICE tokens, or fewer when the request's last slice says they would
     take longer than prefill_slice_s (attention makes tokens dearer as the context grows)."""
-    from sanctum.cluster.scheduler import Scheduler
+    from sanctum.serving.scheduler import Scheduler
 
     sched = Scheduler(lambda: None, prefill_slice=512)
     sched.prefill_slice_s = 0.25
@@ -432,7 +432,7 @@ def test_no_request_stalls_the_others(pair, engine):
     prefilled in slices, and the stream's worst gap between chunks stays well under a second (before: the
     15 MB prompt was tokenized on the model's thread, a stall of many seconds)."""
     from sanctum.cluster.backend import InlineBackend, serve_settings
-    from sanctum.requests import GenerateRequest, InvalidRequest
+    from sanctum.serving.requests import GenerateRequest, InvalidRequest
 
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=4,
                                            round_delay_ms=5, env={}))  # fmt: skip
@@ -565,9 +565,9 @@ def _tokens(responses):
 def test_drafter_transports_give_the_engine_output(cluster, engine, pair, transport):
     """The verifier role in this process, the drafter body in its actor, over each transport."""
     from sanctum.cluster.drafter import RemoteDraftPeer
-    from sanctum.cluster.verifier import Verifier
     from sanctum.engine.drafter import load_drafter
-    from sanctum.requests import GenerateRequest
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.serving.verifier import Verifier
 
     backend, _ = cluster
     target, _, reference = engine
@@ -607,7 +607,7 @@ def test_events_over_the_socket_and_the_ray_stream_agree(cluster, engine):
     from dataclasses import replace
 
     from sanctum.cluster.actors import ClusterBackend
-    from sanctum.requests import GenerateRequest, InvalidRequest
+    from sanctum.serving.requests import GenerateRequest, InvalidRequest
 
     backend, _ = cluster
     _, _, reference = engine

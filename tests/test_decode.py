@@ -66,8 +66,8 @@ def test_bf16_model_never_widens(bf16_pair, kv):
     """Everything the decode path keeps or hands on stays bf16; only the recurrent state is
     float32 (by design: mlx-lm's too)."""
     from sanctum.cache.store import PromptStore
-    from sanctum.cluster.verifier import Verifier
-    from sanctum.requests import GenerateRequest
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.serving.verifier import Verifier
 
     target, drafter = bf16_pair
     assert target.dtype == mx.bfloat16
@@ -190,9 +190,9 @@ def test_queued_plain_steps_leave_the_prompt_cache_as_unqueued_ones(monkeypatch)
     and the save see is the same with queued (pipelined) steps as without, so every turn
     resumes at the same place with the cold request's output."""
     from sanctum.cache.store import PromptStore
-    from sanctum.cluster.verifier import Verifier
     from sanctum.config import default_pair
-    from sanctum.requests import GenerateRequest
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.serving.verifier import Verifier
 
     target = load_target(default_pair()[0])
     seen = {}

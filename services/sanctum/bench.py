@@ -98,10 +98,10 @@ def multiturn(args) -> list[dict]:
     rewriting (dropped <think> blocks) decides where the next prefix really ends."""
     from .cache.store import PromptStore
     from .cli import _load_local
-    from .cluster.verifier import Verifier
     from .config import cache_settings
     from .engine.speculative import LocalDraftPeer
-    from .requests import GenerateRequest
+    from .serving.requests import GenerateRequest
+    from .serving.verifier import Verifier
 
     settings, target, drafter = _load_local(args)
     cache = cache_settings(ladder=args.ladder)

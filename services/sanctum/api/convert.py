@@ -1,4 +1,4 @@
-"""sanctum.v1 messages <-> the transport-free request types of `sanctum.requests`.
+"""sanctum.v1 messages <-> the transport-free request types of `sanctum.serving.requests`.
 
 The one place where wire field names meet the engine's: errors name the wire field
 (`token_ids`, `chat.messages[2].role`), so a client can tell what to fix.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import uuid
 
-from ..requests import Chunk, GenerateRequest, InvalidRequest, Usage
+from ..serving.requests import Chunk, GenerateRequest, InvalidRequest, Usage
 from .gen import inference_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 64

@@ -33,7 +33,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from ..config import ConnectionLimits
-from ..requests import InvalidRequest, validate
+from ..serving.requests import InvalidRequest, validate
 from .convert import chunk_to_proto, invalid_message, request_from_proto, round_of
 from .gen import inference_pb2 as pb
 from .gen import inference_pb2_grpc as pb_grpc
@@ -47,7 +47,7 @@ _END = object()
 
 
 def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    from ..cluster.scheduler import QueueFull, Unavailable
+    from ..serving.scheduler import QueueFull, Unavailable
 
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, invalid_message(exc)

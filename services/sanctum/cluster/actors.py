@@ -33,11 +33,11 @@ from ..api.convert import chunk_from_proto, request_from_proto, request_to_proto
 from ..api.gen import inference_pb2 as pb
 from ..api.gen import roles_pb2 as roles
 from ..config import OPENBLAS_IDLE_SPIN
-from ..requests import Limits
+from ..serving.requests import Limits
+from ..serving.scheduler import InternalError, Unavailable
 from .backend import ServeSettings, make_verifier, stats_message, target_shape
 from .events import EventClient, EventServer, ends, error_event, error_from_wire, to_event
 from .localray import LOCAL_RAY_SYSTEM_CONFIG  # noqa: F401  (where callers found it)
-from .scheduler import InternalError, Unavailable
 from .transport import ChannelBroken
 
 log = logging.getLogger("sanctum.cluster")
@@ -165,8 +165,8 @@ class VerifierActor:
         # where a restart may no longer find them (ray-project/ray#53727)
         drafter = ray.get_actor(drafter_name) if drafter_name else None
         store = ray.get_actor(store_name) if store_name else None
+        from ..serving.scheduler import Scheduler
         from .drafter import RemoteDraftPeer
-        from .scheduler import Scheduler
         from .store import StoreProxy
 
         self.settings = settings

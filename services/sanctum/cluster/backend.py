@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..api.gen import inference_pb2 as pb
 from ..config import CacheSettings, EngineSettings, cache_settings, engine_settings, sanctum_home
-from ..requests import Chunk, GenerateRequest
+from ..serving.requests import Chunk, GenerateRequest
 
 log = logging.getLogger("sanctum.backend")
 ROLES = ("verifier", "drafter", "store")
@@ -104,7 +104,7 @@ def make_verifier(settings: ServeSettings, store, remote_peer=None):
     """Load the target and wrap it in the verifier role. Without `remote_peer` the whole
     drafter is loaded here (inline); with it, only the drafter head (the body is remote)."""
     from ..engine.target import load_target
-    from .verifier import Verifier
+    from ..serving.verifier import Verifier
 
     e = settings.engine
     target = load_target(e.model)
@@ -161,7 +161,7 @@ class InlineBackend:
 
     def __init__(self, settings: ServeSettings):
         from ..cache.store import PromptStore
-        from .scheduler import Scheduler
+        from ..serving.scheduler import Scheduler
 
         self.settings = settings
         self.store = None

@@ -36,8 +36,8 @@ from multiprocessing.connection import Client
 
 from ..api.convert import chunk_to_proto
 from ..api.gen import roles_pb2 as roles
-from ..requests import InvalidRequest
-from .scheduler import End, InternalError, QueueFull, Unavailable
+from ..serving.requests import InvalidRequest
+from ..serving.scheduler import End, InternalError, QueueFull, Unavailable
 from .sockets import UnixListener
 from .transport import ChannelBroken
 

@@ -96,7 +96,7 @@ def _round_phases(before, after) -> dict:
 
 
 def _run(backend, prompt: str, max_tokens: int):
-    from ..requests import GenerateRequest
+    from ..serving.requests import GenerateRequest
 
     t0 = time.perf_counter()
     chunks = list(

@@ -21,7 +21,8 @@ from ..cache.store import ResumePlan
 from ..engine.drafter import Drafter
 from ..engine.speculative import Decoder, DraftPeer, Sequence, make_key
 from ..engine.target import Target, VerifyTape
-from ..requests import (
+from ..tokenizer import Reencoder, TextStream, message_starts, render_chat
+from .requests import (
     Chunk,
     GenerateRequest,
     Limits,
@@ -30,7 +31,6 @@ from ..requests import (
     longest_token_chars,
     validate,
 )
-from ..tokenizer import Reencoder, TextStream, message_starts, render_chat
 
 log = logging.getLogger("sanctum.verifier")
 

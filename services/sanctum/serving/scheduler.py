@@ -24,7 +24,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..requests import Chunk, GenerateRequest, InvalidRequest
+from .requests import Chunk, GenerateRequest, InvalidRequest
 
 log = logging.getLogger("sanctum.scheduler")
 

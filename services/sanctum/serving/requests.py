@@ -12,8 +12,8 @@ import math
 import uuid
 from dataclasses import dataclass, field
 
-from .engine.sampling import SamplingParams
-from .tokenizer import CHAT_ROLES
+from ..engine.sampling import SamplingParams
+from ..tokenizer import CHAT_ROLES
 
 
 class InvalidRequest(ValueError):
