@@ -32,7 +32,7 @@ test-fast: setup
 	$(BLAS_ENV) $(PY) -m pytest -q -m "not slow"
 
 # Generated modules are committed (a fresh install needs no codegen); rerun after editing proto/.
-GEN    := services/sanctum/api/gen
+GEN    := services/sanctum/wire/gen
 proto: setup
 	rm -rf build/proto && mkdir -p build/proto
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=build/proto --pyi_out=build/proto \

@@ -17,8 +17,8 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from sanctum.api.gen import roles_pb2 as roles
 from sanctum.cluster.transport import Slot, dtype_name, from_numpy, to_numpy
+from sanctum.wire.gen import roles_pb2 as roles
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:", "The quick brown fox"]
 
@@ -298,11 +298,11 @@ def test_event_socket_streams_requests_and_cancels_orphans(pair, engine):
     from multiprocessing import AuthenticationError
     from multiprocessing.connection import Client as RawClient
 
-    from sanctum.api.convert import chunk_from_proto, request_from_proto, request_to_proto
     from sanctum.cluster.backend import InlineBackend, serve_settings
     from sanctum.cluster.events import EventClient, EventServer
     from sanctum.cluster.transport import ChannelBroken
     from sanctum.serving.requests import GenerateRequest, InvalidRequest
+    from sanctum.wire.convert import chunk_from_proto, request_from_proto, request_to_proto
 
     _, _, reference = engine
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none",

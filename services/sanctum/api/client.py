@@ -22,9 +22,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .convert import round_of
-from .gen import inference_pb2 as pb
-from .gen import inference_pb2_grpc as pb_grpc
+from ..wire.convert import round_of
+from ..wire.gen import inference_pb2 as pb
+from ..wire.gen import inference_pb2_grpc as pb_grpc
 
 _KV = {None: pb.KV_MODE_UNSPECIFIED, "fp16": pb.KV_MODE_FP16, "q8": pb.KV_MODE_Q8}
 

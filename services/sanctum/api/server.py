@@ -34,9 +34,9 @@ from grpc_reflection.v1alpha import reflection
 
 from ..config import ConnectionLimits
 from ..serving.requests import InvalidRequest, validate
-from .convert import chunk_to_proto, invalid_message, request_from_proto, round_of
-from .gen import inference_pb2 as pb
-from .gen import inference_pb2_grpc as pb_grpc
+from ..wire.convert import chunk_to_proto, invalid_message, request_from_proto, round_of
+from ..wire.gen import inference_pb2 as pb
+from ..wire.gen import inference_pb2_grpc as pb_grpc
 from .guard import Access, Guard, check_exposure
 
 log = logging.getLogger("sanctum.api")

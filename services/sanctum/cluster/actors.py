@@ -29,12 +29,12 @@ import uuid
 import numpy as np
 import ray
 
-from ..api.convert import chunk_from_proto, request_from_proto, request_to_proto
-from ..api.gen import inference_pb2 as pb
-from ..api.gen import roles_pb2 as roles
 from ..config import OPENBLAS_IDLE_SPIN
 from ..serving.requests import Limits
 from ..serving.scheduler import InternalError, Unavailable
+from ..wire.convert import chunk_from_proto, request_from_proto, request_to_proto
+from ..wire.gen import inference_pb2 as pb
+from ..wire.gen import roles_pb2 as roles
 from .backend import ServeSettings, make_verifier, stats_message, target_shape
 from .events import EventClient, EventServer, ends, error_event, error_from_wire, to_event
 from .localray import LOCAL_RAY_SYSTEM_CONFIG  # noqa: F401  (where callers found it)

@@ -12,9 +12,9 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..api.gen import inference_pb2 as pb
 from ..config import CacheSettings, EngineSettings, cache_settings, engine_settings, sanctum_home
 from ..serving.requests import Chunk, GenerateRequest
+from ..wire.gen import inference_pb2 as pb
 
 log = logging.getLogger("sanctum.backend")
 ROLES = ("verifier", "drafter", "store")

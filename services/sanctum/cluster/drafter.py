@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..api.gen import roles_pb2 as roles
 from ..engine.speculative import MAX_PENDING_TAP_ROWS, DraftUnavailable, LocalDraftPeer
+from ..wire.gen import roles_pb2 as roles
 from .transport import ChannelBroken, ObjectStoreChannel, ShmChannel
 
 log = logging.getLogger("sanctum.drafter")

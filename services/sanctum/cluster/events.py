@@ -34,10 +34,10 @@ import threading
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Client
 
-from ..api.convert import chunk_to_proto
-from ..api.gen import roles_pb2 as roles
 from ..serving.requests import InvalidRequest
 from ..serving.scheduler import End, InternalError, QueueFull, Unavailable
+from ..wire.convert import chunk_to_proto
+from ..wire.gen import roles_pb2 as roles
 from .sockets import UnixListener
 from .transport import ChannelBroken
 

@@ -18,9 +18,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ..api.gen import inference_pb2 as pb
-from ..api.gen import roles_pb2 as roles
 from ..cache.store import CacheEntry, PromptStore, ResumePlan
+from ..wire.gen import inference_pb2 as pb
+from ..wire.gen import roles_pb2 as roles
 from .transport import dtype_name, from_numpy, to_numpy
 
 log = logging.getLogger("sanctum.store")

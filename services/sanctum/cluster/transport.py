@@ -37,7 +37,7 @@ from multiprocessing.connection import Client, wait
 import mlx.core as mx
 import numpy as np
 
-from ..api.gen import roles_pb2 as roles
+from ..wire.gen import roles_pb2 as roles
 from .sockets import UnixListener
 
 log = logging.getLogger("sanctum.transport")
