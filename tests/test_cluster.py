@@ -484,7 +484,7 @@ def test_no_request_stalls_the_others(pair, engine):
 
 
 def test_median_interval_brackets_the_median_and_narrows_with_data():
-    from sanctum.cluster.isolation import median_interval
+    from sanctum.bench.isolation import median_interval
 
     assert median_interval([0.97] * 9) == (0.97, 0.97)
     rng = np.random.default_rng(0)

@@ -23,7 +23,7 @@ def test_gdn_kernel_matches_mlx_lm_ops(shape, dtype):
 
 def test_cuda_paths_end_to_end():
     """bench cuda: kernel checks, the Q8 fallback, rollback and lossless greedy with the kernel."""
-    from sanctum.cudabench import run
+    from sanctum.bench.cuda import run
 
     result = run(Namespace(standin=False))
     assert result["ok"], result

@@ -24,7 +24,7 @@ def sanctum(*argv: str, timeout: int = 300) -> dict:
 
 
 def test_seed_config_is_qwen35_27b_and_the_seed_drafter():
-    from sanctum.seedbuild import SeedShape, drafter_config, target_config
+    from sanctum.bench.seedbuild import SeedShape, drafter_config, target_config
 
     text = target_config(SeedShape())["text_config"]
     assert (text["num_hidden_layers"], text["hidden_size"], text["intermediate_size"]) == (

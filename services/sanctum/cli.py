@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     from .api.commands import register as register_serve
 
     register_serve(sub)
-    from .bench import register as register_bench
+    from .bench.cli import register as register_bench
 
     register_bench(sub)
     from .train.cli import register as register_train

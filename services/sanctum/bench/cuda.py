@@ -21,7 +21,7 @@ import numpy as np
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
 
-from .engine import cuda, gdn, gdn_cuda
+from ..engine import cuda, gdn, gdn_cuda
 
 SHAPES = {"seed": (16, 48, 128, 128), "default": (4, 8, 64, 64), "tiny": (2, 4, 32, 32)}
 
@@ -77,10 +77,10 @@ def _q8_attention() -> dict:
 
 
 def _end_to_end(tmp: Path) -> dict:
-    from .engine.drafter import load_drafter
-    from .engine.speculative import generate
-    from .engine.target import load_target
-    from .engine.tiny import make_tiny
+    from ..engine.drafter import load_drafter
+    from ..engine.speculative import generate
+    from ..engine.target import load_target
+    from ..engine.tiny import make_tiny
 
     target_dir, drafter_dir = make_tiny(tmp, "hybrid", "dflash2")
     target = load_target(target_dir)

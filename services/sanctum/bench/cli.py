@@ -12,8 +12,8 @@ def _run_once(target, drafter, prompt_ids, max_tokens, settings, sampling=None, 
     """One generation; (tokens, round stats, decode seconds, time to first token). Decode time
     runs from the first token to the last, so a long prompt's prefill stays out of tok/s.
     `profile` syncs after each phase of a round, for an exact split (and slower rounds)."""
-    from .engine.sampling import SamplingParams
-    from .engine.speculative import generate
+    from ..engine.sampling import SamplingParams
+    from ..engine.speculative import generate
 
     t0 = time.perf_counter()
     steps, t_first = [], None
@@ -35,7 +35,7 @@ def _tau(rounds) -> float:
 
 def speculative(args) -> dict:
     """Plain vs speculative greedy decode of the same prompt; EOS ignored so lengths match."""
-    from .cli import _load_local
+    from ..cli import _load_local
 
     settings, target, drafter = _load_local(args)
     if drafter is None:
@@ -79,7 +79,7 @@ def speculative(args) -> dict:
 
 def _code_snippets(count: int, chars: int = 900) -> list[str]:
     """Deterministic user material: slices of the standard library's own source."""
-    from .tokenizer import python_stdlib_files
+    from ..tokenizer import python_stdlib_files
 
     out = []
     for path in python_stdlib_files():
@@ -96,12 +96,12 @@ def multiturn(args) -> list[dict]:
     time to first token warm (cache as the conversation left it) and cold (same prompt, no
     cache). Assistant replies go back into the history as generated, so the template's own
     rewriting (dropped <think> blocks) decides where the next prefix really ends."""
-    from .cache.store import PromptStore
-    from .cli import _load_local
-    from .config import cache_settings
-    from .engine.speculative import LocalDraftPeer
-    from .serving.requests import GenerateRequest
-    from .serving.verifier import Verifier
+    from ..cache.store import PromptStore
+    from ..cli import _load_local
+    from ..config import cache_settings
+    from ..engine.speculative import LocalDraftPeer
+    from ..serving.requests import GenerateRequest
+    from ..serving.verifier import Verifier
 
     settings, target, drafter = _load_local(args)
     cache = cache_settings(ladder=args.ladder)
@@ -147,8 +147,8 @@ def context_prompts(target, contexts: list[int], count: int, seed: int = 0) -> d
     request."""
     import numpy as np
 
-    from .tokenizer import EOT
-    from .train.data import heldout_prompts, heldout_tokens
+    from ..tokenizer import EOT
+    from ..train.data import heldout_prompts, heldout_tokens
 
     tokenizer = target.tokenizer
     stubs = [tokenizer.encode(p, add_special_tokens=False) for p in heldout_prompts(count, seed)]
@@ -175,8 +175,8 @@ def tau(args) -> list[dict]:
     max_tokens. Greedy speculative output is checked against plain greedy output."""
     from dataclasses import replace
 
-    from .cli import _load_local
-    from .engine.sampling import SamplingParams
+    from ..cli import _load_local
+    from ..engine.sampling import SamplingParams
 
     settings, target, drafter = _load_local(args)
     if drafter is None:
@@ -227,9 +227,9 @@ def reencode(args) -> dict:
     re-encoding the whole completion, on held-out stdlib code, `--round-tokens` at a time."""
     from mlx_lm.utils import load_tokenizer
 
-    from .config import engine_settings
-    from .tokenizer import Reencoder
-    from .train.data import corpus_files, is_holdout
+    from ..config import engine_settings
+    from ..tokenizer import Reencoder
+    from ..train.data import corpus_files, is_holdout
 
     settings = engine_settings(args.model, "none", None, None, None)
     tok = load_tokenizer(settings.model)
@@ -261,7 +261,7 @@ def reencode(args) -> dict:
 
 def register(sub) -> None:
     """`sanctum bench ...` subcommands."""
-    from .cli import _add_model_flags
+    from ..cli import _add_model_flags
 
     b = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -277,10 +277,10 @@ def register(sub) -> None:
     m.add_argument("--max-tokens", type=int, default=48)
     m.add_argument("--ladder", type=int, help="ladder depth (default SANCTUM_MLX_SSM_LADDER or 4)")
     m.add_argument("--json", action="store_true")
-    from .cluster.isolation import add_parser as add_isolation
+    from .isolation import add_parser as add_isolation
 
     add_isolation(bsub, _add_model_flags)
-    from .api.abuse import add_parser as add_abuse
+    from .abuse import add_parser as add_abuse
 
     add_abuse(bsub, _add_model_flags)
     t = bsub.add_parser("tau", help="tau and speculative/plain tok/s per context length")
@@ -298,8 +298,8 @@ def register(sub) -> None:
     r.add_argument("--round-tokens", type=int, default=6)
     r.add_argument("--lengths", default="256,1024,4096")
     r.add_argument("--json", action="store_true")
-    from .cudabench import add_parser as add_cuda
-    from .seedbench import add_parser as add_seed
+    from .cuda import add_parser as add_cuda
+    from .seed import add_parser as add_seed
 
     add_seed(bsub)
     add_cuda(bsub)
@@ -308,28 +308,28 @@ def register(sub) -> None:
 
 def isolation(args) -> dict:
     """Actor cluster vs inline (cluster/isolation.py)."""
-    from .cluster.isolation import run
+    from .isolation import run
 
     return run(args)
 
 
 def abuse(args) -> dict:
     """A normal stream's worst gap while abusive clients hammer the server (api/abuse.py)."""
-    from .api.abuse import run
+    from .abuse import run
 
     return run(args)
 
 
 def seed(args) -> dict:
     """The seed's shapes on random weights (seedbench.py)."""
-    from .seedbench import seed as run
+    from .seed import seed as run
 
     return run(args)
 
 
 def cuda(args) -> dict:
     """The CUDA-only paths checked and timed (cudabench.py)."""
-    from .cudabench import run
+    from .cuda import run
 
     return run(args)
 

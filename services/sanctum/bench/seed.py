@@ -27,10 +27,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
-from .engine import cuda, gdn
-from .engine.sampling import SamplingParams, greedy_tokens
-from .engine.speculative import Decoder, LocalDraftPeer, make_key
-from .engine.target import load_target
+from ..engine import cuda, gdn
+from ..engine.sampling import SamplingParams, greedy_tokens
+from ..engine.speculative import Decoder, LocalDraftPeer, make_key
+from ..engine.target import load_target
 from .seedbuild import SMALL, SeedShape, ensure
 
 TAUS = (4, 5, 6, 8)
@@ -204,8 +204,8 @@ def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_
 
 
 def seed(args) -> dict:
-    from .config import sanctum_home
-    from .engine.drafter import load_drafter
+    from ..config import sanctum_home
+    from ..engine.drafter import load_drafter
 
     shape = _shape(args)
     root = Path(args.dir).expanduser() if args.dir else sanctum_home() / "seed"

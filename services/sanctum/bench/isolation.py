@@ -153,9 +153,9 @@ def _concurrent(backends: dict, prompts: list[str], clients: int, max_tokens: in
 def run(args) -> dict:
     import ray
 
-    from .actors import role_blas_threads, start_cluster, usable_cpus
-    from .backend import InlineBackend, serve_settings
-    from .localray import init_local_ray
+    from ..cluster.actors import role_blas_threads, start_cluster, usable_cpus
+    from ..cluster.backend import InlineBackend, serve_settings
+    from ..cluster.localray import init_local_ray
 
     settings = serve_settings(args.model, args.drafter, args.block_size, args.bits, args.kv,
                               cache_dir="none", transport=args.transport,

@@ -57,7 +57,7 @@ class _started_server:
         self.args = args
 
     def __enter__(self) -> str:
-        from .client import Client
+        from ..api.client import Client
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -96,7 +96,7 @@ def abuse(address: str, args) -> dict:
     """The normal stream and the abusers at once; the figures."""
     import grpc
 
-    from .client import Client
+    from ..api.client import Client
 
     own = [("grpc.use_local_subchannel_pool", 1)]  # grpcio would share one connection
     normal = Client(address, options=own)
@@ -210,7 +210,7 @@ def abuse(address: str, args) -> dict:
 
 
 def _request(prompt, max_tokens: int, **kw):
-    from .client import make_request
+    from ..api.client import make_request
 
     return make_request(prompt, max_tokens=max_tokens, use_cache=False, **kw)
 
