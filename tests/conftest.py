@@ -18,7 +18,7 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def make_pair(tiny_dir):
     """make_pair(kind, drafter) -> (target_dir, drafter_dir), cached per combination."""
-    from sanctum.engine.tiny import make_tiny
+    from sanctum.tiny import make_tiny
 
     made = {}
 

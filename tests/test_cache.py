@@ -84,7 +84,7 @@ def test_seed_scenario_resumes_warm(pair, kv, mode):
 @pytest.fixture(scope="module")
 def trained_pair():
     """The shipped default pair: it writes real text, which a random tiny model does not."""
-    from sanctum.config import default_pair
+    from sanctum.settings import default_pair
 
     target_dir, drafter_dir = default_pair()
     target = load_target(target_dir)

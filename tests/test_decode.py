@@ -190,9 +190,9 @@ def test_queued_plain_steps_leave_the_prompt_cache_as_unqueued_ones(monkeypatch)
     and the save see is the same with queued (pipelined) steps as without, so every turn
     resumes at the same place with the cold request's output."""
     from sanctum.cache.store import PromptStore
-    from sanctum.config import default_pair
     from sanctum.serving.requests import GenerateRequest
     from sanctum.serving.verifier import Verifier
+    from sanctum.settings import default_pair
 
     target = load_target(default_pair()[0])
     seen = {}

@@ -20,7 +20,7 @@ import pytest
 from sanctum.engine.drafter import load_drafter
 from sanctum.engine.speculative import LocalDraftPeer
 from sanctum.engine.target import load_target
-from sanctum.engine.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
+from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
 
 
 @pytest.fixture(scope="module")

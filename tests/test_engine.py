@@ -295,7 +295,7 @@ def test_sliding_drafter_gets_only_its_window(make_pair, tmp_path):
     """A drafter whose every layer slides is handed at most sliding_window - 1 context rows, by
     the decoder itself (what crosses to a drafter process), and drafts losslessly after a prompt
     longer than that window."""
-    from sanctum.engine.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
+    from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
 
     target_dir, _ = make_pair("hybrid", "dflash")
     target, _ = load_pair(make_pair)

@@ -101,7 +101,7 @@ def test_idle_streams_do_not_lock_anyone_out(serve):
 def test_idle_request_streams_are_closed_and_generation_is_bounded(serve):
     """A request stream without a message for stream_idle_s is closed by the server; the bound
     counts generation requests only, and past it they get RESOURCE_EXHAUSTED."""
-    from sanctum.config import ConnectionLimits
+    from sanctum.settings import ConnectionLimits
 
     srv = serve(max_streams=1, limits=ConnectionLimits(stream_idle_s=0.5))
     (channel, call, _), = idle_reflection_streams(srv.address, 1)  # fmt: skip
@@ -125,7 +125,7 @@ def test_idle_request_streams_are_closed_and_generation_is_bounded(serve):
 def test_a_client_that_stops_reading_loses_its_stream(serve):
     """A slow client is bounded too: one that takes no response for slow_client_s loses the
     stream and its request's slot (flow control would otherwise hold it there)."""
-    from sanctum.config import ConnectionLimits
+    from sanctum.settings import ConnectionLimits
 
     srv = serve(max_streams=4, limits=ConnectionLimits(slow_client_s=1.0))
     small_window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]

@@ -116,7 +116,7 @@ def client(proxy):
 def test_shipped_config_keeps_long_streams_and_large_requests():
     """nginx's defaults cut a silent stream at 60 s (Health.Watch) and refuse bodies over 1 MB
     with HTTP 413: the shipped config raises both to what the server allows."""
-    from sanctum.config import server_settings
+    from sanctum.settings import server_settings
 
     text = CONF.read_text()
     hours = {

@@ -9,7 +9,7 @@ from sanctum.engine.drafter import load_drafter
 from sanctum.engine.sampling import SamplingParams, accept_sampled, probabilities
 from sanctum.engine.speculative import Decoder, LocalDraftPeer, make_key
 from sanctum.engine.target import load_target
-from sanctum.engine.tiny import make_tiny_drafter, make_tiny_target
+from sanctum.tiny import make_tiny_drafter, make_tiny_target
 
 VOCAB = 16
 

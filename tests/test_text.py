@@ -6,8 +6,8 @@ import random
 
 import pytest
 from mlx_lm.utils import load_tokenizer
-from sanctum.config import default_pair
 from sanctum.engine.target import load_target
+from sanctum.settings import default_pair
 from sanctum.tokenizer import Reencoder, TextStream, message_starts, render_chat
 
 

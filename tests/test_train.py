@@ -11,7 +11,7 @@ import pytest
 from sanctum.cli import main
 from sanctum.engine.drafter import load_drafter
 from sanctum.engine.target import load_target
-from sanctum.engine.tiny import (
+from sanctum.tiny import (
     DRAFTER_LAYOUTS,
     TINY_TOKENIZER,
     drafter_config,
@@ -71,7 +71,7 @@ def test_target_command_loss_falls(tmp_path, corpus_args):
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
-    from sanctum.engine.tiny import make_tiny
+    from sanctum.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("pair"), "hybrid", "dflash", 0, 8)
 

@@ -28,9 +28,9 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _load_local(args):
-    from .config import engine_settings
     from .engine.drafter import load_drafter
     from .engine.target import load_target
+    from .settings import engine_settings
 
     settings = engine_settings(args.model, args.drafter, args.block_size, args.bits, args.kv)
     target = load_target(settings.model)
@@ -104,7 +104,7 @@ def tau(rounds: list[dict]) -> float | None:
 
 
 def cmd_make_tiny(args) -> int:
-    from .engine.tiny import make_tiny
+    from .tiny import make_tiny
 
     target, drafter = make_tiny(args.out, args.kind, args.drafter, args.seed, args.block_size)
     print(json.dumps({"target": str(target), "drafter": str(drafter)}))
@@ -123,7 +123,7 @@ def _prefer_openblas() -> None:
     the CPU time per token inline on the tiny pair)."""
     import os
 
-    from .config import OPENBLAS_IDLE_SPIN
+    from .settings import OPENBLAS_IDLE_SPIN
 
     if (
         sys.platform.startswith("linux")

@@ -63,7 +63,7 @@ def cmd_serve(args) -> int:
     import json
 
     from ..cluster.backend import serve_settings
-    from ..config import server_settings
+    from ..settings import server_settings
 
     resources = {}
     for role in ("verifier", "drafter", "store"):

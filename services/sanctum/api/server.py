@@ -32,8 +32,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from ..config import ConnectionLimits
 from ..serving.requests import InvalidRequest, validate
+from ..settings import ConnectionLimits
 from ..wire.convert import chunk_to_proto, invalid_message, request_from_proto, round_of
 from ..wire.gen import inference_pb2 as pb
 from ..wire.gen import inference_pb2_grpc as pb_grpc

@@ -98,10 +98,10 @@ def multiturn(args) -> list[dict]:
     rewriting (dropped <think> blocks) decides where the next prefix really ends."""
     from ..cache.store import PromptStore
     from ..cli import _load_local
-    from ..config import cache_settings
     from ..engine.speculative import LocalDraftPeer
     from ..serving.requests import GenerateRequest
     from ..serving.verifier import Verifier
+    from ..settings import cache_settings
 
     settings, target, drafter = _load_local(args)
     cache = cache_settings(ladder=args.ladder)
@@ -227,7 +227,7 @@ def reencode(args) -> dict:
     re-encoding the whole completion, on held-out stdlib code, `--round-tokens` at a time."""
     from mlx_lm.utils import load_tokenizer
 
-    from ..config import engine_settings
+    from ..settings import engine_settings
     from ..tokenizer import Reencoder
     from ..train.data import corpus_files, is_holdout
 

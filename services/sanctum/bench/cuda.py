@@ -80,7 +80,7 @@ def _end_to_end(tmp: Path) -> dict:
     from ..engine.drafter import load_drafter
     from ..engine.speculative import generate
     from ..engine.target import load_target
-    from ..engine.tiny import make_tiny
+    from ..tiny import make_tiny
 
     target_dir, drafter_dir = make_tiny(tmp, "hybrid", "dflash2")
     target = load_target(target_dir)

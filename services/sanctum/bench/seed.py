@@ -204,8 +204,8 @@ def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_
 
 
 def seed(args) -> dict:
-    from ..config import sanctum_home
     from ..engine.drafter import load_drafter
+    from ..settings import sanctum_home
 
     shape = _shape(args)
     root = Path(args.dir).expanduser() if args.dir else sanctum_home() / "seed"

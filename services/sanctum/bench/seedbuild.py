@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
 from ..engine.drafter import DraftBody, DrafterConfig, DraftHead
-from ..engine.tiny import TINY_TOKENIZER, copy_tokenizer, to_hf_weights
+from ..tiny import TINY_TOKENIZER, copy_tokenizer, to_hf_weights
 
 SEED_TAPS = (5, 19, 33, 47, 61)
 SEED_LAYERS = 64

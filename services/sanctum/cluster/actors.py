@@ -29,9 +29,9 @@ import uuid
 import numpy as np
 import ray
 
-from ..config import OPENBLAS_IDLE_SPIN
 from ..serving.requests import Limits
 from ..serving.scheduler import InternalError, Unavailable
+from ..settings import OPENBLAS_IDLE_SPIN
 from ..wire.convert import chunk_from_proto, request_from_proto, request_to_proto
 from ..wire.gen import inference_pb2 as pb
 from ..wire.gen import roles_pb2 as roles

@@ -12,8 +12,8 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..config import CacheSettings, EngineSettings, cache_settings, engine_settings, sanctum_home
 from ..serving.requests import Chunk, GenerateRequest
+from ..settings import CacheSettings, EngineSettings, cache_settings, engine_settings, sanctum_home
 from ..wire.gen import inference_pb2 as pb
 
 log = logging.getLogger("sanctum.backend")

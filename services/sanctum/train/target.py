@@ -18,7 +18,7 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
-from ..engine.tiny import copy_tokenizer, target_config, to_hf_weights
+from ..tiny import copy_tokenizer, target_config, to_hf_weights
 from ..tokenizer import EOT, IM_END
 from .data import Corpus, sample_windows
 from .gdn import chunked_gdn

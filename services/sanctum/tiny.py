@@ -16,9 +16,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
-from .drafter import DraftBody, DrafterConfig, DraftHead, default_tap_ids
+from .engine.drafter import DraftBody, DraftHead
+from .engine.drafter_config import DrafterConfig, default_tap_ids
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parent / "assets"
 TINY_TOKENIZER = ASSETS / "tiny-tokenizer"
 TARGET_KINDS = ("hybrid", "moe", "next", "dense")
 DRAFTER_KINDS = ("dflash", "dflash2")

@@ -33,7 +33,7 @@ def default_pair() -> tuple[Path, Path]:
         return DEFAULT_PAIR / "target", DEFAULT_PAIR / "drafter"
     tiny = sanctum_home() / "tiny"
     if not (tiny / "drafter" / "config.json").is_file():
-        from .engine.tiny import make_tiny
+        from .tiny import make_tiny
 
         make_tiny(tiny)
     return tiny / "target", tiny / "drafter"
