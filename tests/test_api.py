@@ -29,7 +29,8 @@ ray = pytest.importorskip("ray")
 
 from sanctum.api.client import Client, make_request
 from sanctum.api.server import Server
-from sanctum.cluster.backend import InlineBackend, serve_settings
+from sanctum.serving.inline import InlineBackend
+from sanctum.settings import serve_settings
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:", "The quick brown fox",
            "for i in range(10):", "# a comment", "x = [1, 2, 3]", "while True:"]  # fmt: skip
@@ -64,7 +65,7 @@ def reference(pair):
 
 @pytest.fixture(scope="module")
 def server(pair, tmp_path_factory):
-    from sanctum.cluster.actors import start_cluster
+    from sanctum.cluster.backend import start_cluster
     from sanctum.cluster.localray import init_local_ray
 
     init_local_ray(num_cpus=2, log_to_driver=False, namespace=f"test-api-{os.getpid()}")

@@ -17,8 +17,9 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from sanctum.cluster.transport import Slot, dtype_name, from_numpy, to_numpy
+from sanctum.cluster.transport import Slot
 from sanctum.wire.gen import roles_pb2 as roles
+from sanctum.wire.tensors import dtype_name, from_numpy, to_numpy
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:", "The quick brown fox"]
 
@@ -161,7 +162,8 @@ def test_draft_service_equals_local_peer(engine):
 
 def test_store_layout_and_service_roundtrip(tmp_path):
     from sanctum.cache.store import CacheEntry, PromptStore
-    from sanctum.cluster.store import StoreService, flatten, unflatten
+    from sanctum.cluster.store import StoreService
+    from sanctum.wire.tensors import flatten, unflatten
 
     T = 10
     kv = [
@@ -206,9 +208,10 @@ def test_store_layout_and_service_roundtrip(tmp_path):
 
 
 def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
-    from sanctum.cluster.backend import InlineBackend, serve_settings
-    from sanctum.serving.requests import GenerateRequest, InvalidRequest
-    from sanctum.serving.scheduler import QueueFull
+    from sanctum.serving.errors import InvalidRequest, QueueFull
+    from sanctum.serving.inline import InlineBackend
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.settings import serve_settings
 
     _, _, reference = engine
     # 20 ms per round: greedy runs of the tiny pair hit EOS after 46-850 tokens, and the
@@ -265,9 +268,10 @@ def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
 def test_queue_full_message_counts_what_stats_count(pair):
     """Issue 12: RESOURCE_EXHAUSTED said "0 requests decoding and 71 waiting" while 8 decoded: it
     left out requests being opened or prefilled. Now it gives the figures stats gives."""
-    from sanctum.cluster.backend import InlineBackend, serve_settings
+    from sanctum.serving.errors import QueueFull
+    from sanctum.serving.inline import InlineBackend
     from sanctum.serving.requests import GenerateRequest
-    from sanctum.serving.scheduler import QueueFull
+    from sanctum.settings import serve_settings
 
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
                                            max_queue=1, round_delay_ms=20, env={}))  # fmt: skip
@@ -298,10 +302,12 @@ def test_event_socket_streams_requests_and_cancels_orphans(pair, engine):
     from multiprocessing import AuthenticationError
     from multiprocessing.connection import Client as RawClient
 
-    from sanctum.cluster.backend import InlineBackend, serve_settings
     from sanctum.cluster.events import EventClient, EventServer
     from sanctum.cluster.transport import ChannelBroken
-    from sanctum.serving.requests import GenerateRequest, InvalidRequest
+    from sanctum.serving.errors import InvalidRequest
+    from sanctum.serving.inline import InlineBackend
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.settings import serve_settings
     from sanctum.wire.convert import chunk_from_proto, request_from_proto, request_to_proto
 
     _, _, reference = engine
@@ -370,8 +376,9 @@ def test_long_prompt_prefills_in_slices_between_rounds(pair, engine):
     """A long prompt arriving while another request decodes is prefilled a slice at a time, with
     the other request's rounds in between (its stream does not stall for the whole prompt), and
     both outputs are still the engine's own."""
-    from sanctum.cluster.backend import InlineBackend, serve_settings
+    from sanctum.serving.inline import InlineBackend
     from sanctum.serving.requests import GenerateRequest
+    from sanctum.settings import serve_settings
 
     _, _, reference = engine
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
@@ -431,8 +438,10 @@ def test_no_request_stalls_the_others(pair, engine):
     at once (by size, before any tokenization), the chat is prepared off the model's thread and
     prefilled in slices, and the stream's worst gap between chunks stays well under a second (before: the
     15 MB prompt was tokenized on the model's thread, a stall of many seconds)."""
-    from sanctum.cluster.backend import InlineBackend, serve_settings
-    from sanctum.serving.requests import GenerateRequest, InvalidRequest
+    from sanctum.serving.errors import InvalidRequest
+    from sanctum.serving.inline import InlineBackend
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.settings import serve_settings
 
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=4,
                                            round_delay_ms=5, env={}))  # fmt: skip
@@ -536,9 +545,9 @@ ray = pytest.importorskip("ray")
 def cluster(pair, tmp_path_factory):
     from sanctum.api.client import Client
     from sanctum.api.server import Server
-    from sanctum.cluster.actors import start_cluster
-    from sanctum.cluster.backend import serve_settings
+    from sanctum.cluster.backend import start_cluster
     from sanctum.cluster.localray import init_local_ray
+    from sanctum.settings import serve_settings
 
     init_local_ray(num_cpus=2, log_to_driver=False, namespace=f"test-cluster-{os.getpid()}")
     settings = serve_settings(
@@ -606,8 +615,9 @@ def test_events_over_the_socket_and_the_ray_stream_agree(cluster, engine):
     object store (as across hosts) over a Ray stream per request: same chunks, same errors."""
     from dataclasses import replace
 
-    from sanctum.cluster.actors import ClusterBackend
-    from sanctum.serving.requests import GenerateRequest, InvalidRequest
+    from sanctum.cluster.backend import ClusterBackend
+    from sanctum.serving.errors import InvalidRequest
+    from sanctum.serving.requests import GenerateRequest
 
     backend, _ = cluster
     _, _, reference = engine

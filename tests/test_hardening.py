@@ -18,7 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sanctum.api.client import Client, make_request
 from sanctum.api.server import Server
-from sanctum.cluster.backend import InlineBackend, serve_settings
+from sanctum.serving.inline import InlineBackend
+from sanctum.settings import serve_settings
 
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # grpcio shares one per target otherwise
 

@@ -19,7 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from sanctum.api.client import Client, make_request
 from sanctum.api.server import Server
-from sanctum.cluster.backend import InlineBackend, serve_settings
+from sanctum.serving.inline import InlineBackend
+from sanctum.settings import serve_settings
 
 CONF = Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "sanctum.conf"
 TOKEN = "proxy-test-token"

@@ -185,7 +185,7 @@ def test_reencode_bench_prints_its_figures(make_pair):
     """`sanctum bench reencode` runs (on the tiny tokenizer) and reports what the note quotes."""
     from argparse import Namespace
 
-    from sanctum.bench.cli import reencode
+    from sanctum.bench.multiturn import reencode
 
     figures = reencode(Namespace(model=str(make_pair("hybrid", "dflash")[0]), round_tokens=6,
                                  lengths="64,256"))  # fmt: skip

@@ -11,8 +11,9 @@ SANCTUM_MAX_CONNECTIONS).
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -198,3 +199,56 @@ def server_settings(
         tls_client_ca=tls_client_ca or env.get("SANCTUM_TLS_CLIENT_CA") or None,
         limits=connection_limits(env),
     )
+
+
+ROLES = ("verifier", "drafter", "store")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything `sanctum serve` (or a test, or a benchmark) decides about the roles."""
+
+    engine: EngineSettings
+    cache: CacheSettings
+    max_active: int = 8  # requests interleaved round by round
+    max_queue: int = 64  # more requests may wait; beyond that RESOURCE_EXHAUSTED
+    max_tokens_limit: int = 4096
+    transport: str = "auto"  # drafter + events paths: auto (by Ray node) | shm | object_store
+    round_delay_s: float = 0.0  # benchmark/test knob: a slower target (a wait in every forward)
+    round_delay_busy: bool = False  # the wait keeps the core busy (benchmarks) or sleeps (tests)
+    resources: dict = field(default_factory=dict)  # role -> Ray custom resources (placement)
+
+
+def serve_settings(
+    model=None, drafter=None, block_size=None, bits=None, kv_mode=None, ladder=None,
+    cache_bytes=None, cache_dir=None, max_active=None, max_queue=None, transport=None,
+    resources=None, round_delay_ms=0.0, round_delay_busy=False, env=os.environ,
+) -> ServeSettings:  # fmt: skip
+    """Flags (non-None) over environment over defaults. The prompt cache persists in
+    SANCTUM_HOME/prompt-cache unless a directory (or "none") is given."""
+    engine = engine_settings(model, drafter, block_size, bits, kv_mode, env=env)
+    cache = cache_settings(ladder, cache_bytes, cache_dir, env=env)
+    if cache.directory is None:
+        cache = CacheSettings(
+            cache.ladder_depth, cache.max_bytes, str(sanctum_home() / "prompt-cache")
+        )
+    elif cache.directory == "none":
+        cache = CacheSettings(cache.ladder_depth, cache.max_bytes, None)
+    res = dict(resources or {})
+    for role in ROLES:
+        raw = env.get(f"SANCTUM_{role.upper()}_RESOURCES")
+        if raw and role not in res:
+            try:
+                res[role] = json.loads(raw)
+            except json.JSONDecodeError:
+                raise ValueError(f"SANCTUM_{role.upper()}_RESOURCES is not JSON: {raw!r}") from None
+    transport = transport or env.get("SANCTUM_TRANSPORT", "auto")
+    if transport not in ("auto", "shm", "object_store"):
+        raise ValueError(f"transport must be auto, shm or object_store, got {transport!r}")
+    return ServeSettings(
+        engine, cache,
+        max_active=max_active or int(env.get("SANCTUM_MAX_ACTIVE", 8)),
+        max_queue=max_queue if max_queue is not None else int(env.get("SANCTUM_MAX_QUEUE", 64)),
+        transport=transport, round_delay_s=(round_delay_ms or 0.0) / 1000.0,
+        round_delay_busy=round_delay_busy, resources=res,
+    )  # fmt: skip

@@ -62,8 +62,7 @@ def register(sub) -> None:
 def cmd_serve(args) -> int:
     import json
 
-    from ..cluster.backend import serve_settings
-    from ..settings import server_settings
+    from ..settings import serve_settings, server_settings
 
     resources = {}
     for role in ("verifier", "drafter", "store"):
@@ -130,11 +129,11 @@ def serve(settings, net, inline: bool = False, drain_timeout: float = 30.0) -> i
                  server.address, "TLS" if access.tls_cert else "plaintext",
                  ", bearer token" if access.token else "")  # fmt: skip
         if inline:
-            from ..cluster.backend import InlineBackend
+            from ..serving.inline import InlineBackend
 
             backend = InlineBackend(settings)
         else:
-            from ..cluster.actors import start_cluster
+            from ..cluster.backend import start_cluster
 
             backend = start_cluster(settings)
         server.attach(backend)

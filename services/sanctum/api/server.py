@@ -32,9 +32,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from ..serving.requests import InvalidRequest, validate
+from ..serving.requests import validate
 from ..settings import ConnectionLimits
-from ..wire.convert import chunk_to_proto, invalid_message, request_from_proto, round_of
+from ..wire.convert import chunk_to_proto, request_from_proto, round_of
+from ..wire.errors import grpc_status
 from ..wire.gen import inference_pb2 as pb
 from ..wire.gen import inference_pb2_grpc as pb_grpc
 from .guard import Access, Guard, check_exposure
@@ -44,19 +45,6 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "sanctum.v1.I
 ADMIN_THREADS = 2  # stats and cache administration: Ray calls of up to ~10 s when a role is down
 ADMIN_LIMIT = 16  # such calls in flight at once; more get RESOURCE_EXHAUSTED
 _END = object()
-
-
-def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    from ..serving.scheduler import QueueFull, Unavailable
-
-    if isinstance(exc, InvalidRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT, invalid_message(exc)
-    if isinstance(exc, QueueFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, Unavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    log.error("internal error: %r", exc, exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {exc}"
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -136,7 +124,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 opening.add_done_callback(self._cancel_opened)  # cancel it once it is there
                 raise
             except Exception as exc:
-                await context.abort(*_status(exc))
+                await context.abort(*grpc_status(exc))
             ended = False
             context.add_done_callback(lambda _: None if ended else self.backend.cancel(rid))
             while True:
@@ -144,7 +132,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     chunk = await loop.run_in_executor(self._generation, next, chunks, _END)
                 except Exception as exc:
                     ended = True
-                    await context.abort(*_status(exc))
+                    await context.abort(*grpc_status(exc))
                 if chunk is _END:
                     ended = True
                     return
@@ -167,7 +155,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             return await asyncio.get_running_loop().run_in_executor(self._admin, fn, *args)
         except Exception as exc:
-            await context.abort(*_status(exc))
+            await context.abort(*grpc_status(exc))
         finally:
             self._admin_inflight -= 1
 

@@ -153,9 +153,10 @@ def _concurrent(backends: dict, prompts: list[str], clients: int, max_tokens: in
 def run(args) -> dict:
     import ray
 
-    from ..cluster.actors import role_blas_threads, start_cluster, usable_cpus
-    from ..cluster.backend import InlineBackend, serve_settings
+    from ..cluster.backend import role_blas_threads, start_cluster, usable_cpus
     from ..cluster.localray import init_local_ray
+    from ..serving.inline import InlineBackend
+    from ..settings import serve_settings
 
     settings = serve_settings(args.model, args.drafter, args.block_size, args.bits, args.kv,
                               cache_dir="none", transport=args.transport,

@@ -18,27 +18,21 @@ for placement on other hosts (deploy/README.md).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
-import threading
 import time
-import uuid
 
 import numpy as np
 import ray
 
+from ..serving.inline import make_verifier, stats_message
 from ..serving.requests import Limits
-from ..serving.scheduler import InternalError, Unavailable
-from ..settings import OPENBLAS_IDLE_SPIN
-from ..wire.convert import chunk_from_proto, request_from_proto, request_to_proto
-from ..wire.gen import inference_pb2 as pb
+from ..settings import ServeSettings
+from ..wire.convert import request_from_proto
+from ..wire.errors import error_event
 from ..wire.gen import roles_pb2 as roles
-from .backend import ServeSettings, make_verifier, stats_message, target_shape
-from .events import EventClient, EventServer, ends, error_event, error_from_wire, to_event
-from .localray import LOCAL_RAY_SYSTEM_CONFIG  # noqa: F401  (where callers found it)
-from .transport import ChannelBroken
+from .events import EventServer, ends, to_event
 
 log = logging.getLogger("sanctum.cluster")
 
@@ -97,7 +91,7 @@ class DrafterActor:
 
     def serve_object_store(self, client: str, request: bytes, arrays: list[np.ndarray]):
         """The cross-host path: one DraftRequest with its tensors from the object store."""
-        from .transport import dtype_name, from_numpy, to_numpy
+        from ..wire.tensors import dtype_name, from_numpy, to_numpy
 
         req = roles.DraftRequest.FromString(request)
 
@@ -243,265 +237,3 @@ class VerifierActor:
     def close(self) -> None:
         """Stop taking front ends; remove the socket (and its directory) before the kill."""
         self.events.close()
-
-
-# ---- the front end's side ------------------------------------------------------------------
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity where the OS has one, as OpenBLAS counts
-    them): under `taskset -c 0-1` on a 16-core host, 2, not 16."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def role_blas_threads() -> dict[str, str]:
-    """BLAS threads per role (the CPU backend). Ray pins OMP_NUM_THREADS to an actor's CPU count
-    (1 for num_cpus=0), so it is set here. Verifier and drafter take turns (the verifier waits on
-    each draft), so each gets what inline mode's one process uses: the CPUs it may run on, as
-    OpenBLAS counts them. A one-thread drafter cost the default pair 3 ms a round on 4 cores of a
-    16-core host (isolation tax 6.6-9.5% against 1.8% with 4 threads; deploy/README)."""
-    usable = str(usable_cpus())
-    return {
-        "verifier": os.environ.get("OMP_NUM_THREADS") or usable,
-        "drafter": os.environ.get("SANCTUM_DRAFTER_THREADS") or usable,
-        "store": "1",
-    }
-
-
-def start_cluster(settings: ServeSettings) -> ClusterBackend:
-    """Create the three actors on the connected Ray cluster (ray.init first)."""
-    if not ray.is_initialized():
-        raise RuntimeError("ray.init() first (a local cluster, or RAY_ADDRESS)")
-    threads = role_blas_threads()
-
-    def opts(role: str, **kw) -> dict:
-        res = settings.resources.get(role)
-        env = {"env_vars": {"OMP_NUM_THREADS": threads[role]}}
-        if role != "store":  # idle BLAS workers would hold a core through the other one's turn
-            env["env_vars"]["OPENBLAS_THREAD_TIMEOUT"] = os.environ.get(
-                "OPENBLAS_THREAD_TIMEOUT", OPENBLAS_IDLE_SPIN
-            )
-        return dict(num_cpus=0, max_restarts=-1, runtime_env=env, **kw,
-                    **({"resources": res} if res else {}))  # fmt: skip
-
-    prefix = f"sanctum-{uuid.uuid4().hex[:8]}"
-    store = StoreActor.options(**opts("store", name=f"{prefix}-store", max_task_retries=0)).remote(
-        settings.cache.max_bytes, settings.cache.directory
-    )
-    drafter = None
-    if settings.engine.drafter:
-        drafter_opts = opts(
-            "drafter", name=f"{prefix}-drafter", max_task_retries=-1, max_concurrency=4
-        )
-        drafter = DrafterActor.options(**drafter_opts).remote(
-            settings, target_shape(settings.engine.model)
-        )
-    concurrency = settings.max_active + settings.max_queue + 16  # generator threads wait on tickets
-    verifier_opts = opts(
-        "verifier", name=f"{prefix}-verifier", max_task_retries=0, max_concurrency=concurrency
-    )
-    verifier = VerifierActor.options(**verifier_opts).remote(
-        settings, f"{prefix}-drafter" if drafter else None, f"{prefix}-store"
-    )
-    return ClusterBackend(settings, verifier, drafter, store)
-
-
-class ClusterBackend:
-    """The front end's view of the actor cluster (same calls as InlineBackend)."""
-
-    mode = "cluster"
-    LOST = (
-        "the verifier actor died while serving this request; it is restarting, "
-        "retry the request shortly"
-    )
-
-    def __init__(self, settings: ServeSettings, verifier, drafter, store):
-        self.settings = settings
-        self.verifier, self.drafter, self.store = verifier, drafter, store
-        self.on_health = None  # callable(bool): the server flips health while the verifier restarts
-        self.limits: Limits | None = None
-        self._watching = threading.Lock()
-        self._restarting = False  # from the verifier's death until it serves again
-        self._closing = False
-        self._probe: threading.Thread | None = None
-        # how requests' events come back: "socket" (one connection, same host: events.py) or
-        # "ray" (a Ray stream per request); None until known (again after a verifier restart)
-        self.events_path: str | None = None
-        self._events: EventClient | None = None
-        self._events_lock = threading.Lock()
-
-    def ready(self, timeout: float | None = None) -> None:
-        """Block until the verifier (and through it the drafter and store) has loaded."""
-        self.limits = ray.get(self.verifier.ready.remote(), timeout=timeout)
-        self._event_client(timeout)
-        self._restarting = False
-        if self.events_path == "ray" and self._probe is None:
-            self._probe = threading.Thread(target=self._probe_loop, name="sanctum-verifier-probe",
-                                           daemon=True)  # fmt: skip
-            self._probe.start()
-
-    def _probe_loop(self, every_s: float = 1.0) -> None:
-        """Without the event socket (the verifier on another host) nothing hangs up when the
-        verifier dies: ask it for its pid every second instead."""
-        while not self._closing:
-            time.sleep(every_s)
-            if not ray.is_initialized():  # shut down (a call now would start a new Ray)
-                return
-            if self.events_path != "ray" or self._restarting:
-                continue
-            try:
-                ray.get(self.verifier.pid.remote(), timeout=10)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                self._verifier_lost()
-
-    def _event_client(self, timeout: float | None = 60.0) -> EventClient | None:
-        """The connection for events when the verifier is on this host; None: Ray streams."""
-        with self._events_lock:
-            if self._events is not None and not self._events.broken:
-                return self._events
-            if self.events_path == "ray" or self.settings.transport == "object_store":
-                self.events_path = "ray"
-                return None
-            try:
-                address, authkey, node = ray.get(
-                    self.verifier.events_address.remote(), timeout=timeout
-                )
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                raise Unavailable("the verifier is restarting; retry shortly") from None
-            if (
-                self.settings.transport == "auto"
-                and node != ray.get_runtime_context().get_node_id()
-            ):
-                self.events_path = "ray"
-                return None
-            try:  # its hang-up is how a dead verifier is noticed, requests in flight or not
-                self._events = EventClient(address, authkey, on_lost=self._verifier_lost)
-            except OSError as exc:
-                raise Unavailable(f"cannot reach the verifier's event socket: {exc}") from None
-            self.events_path = "socket"
-            return self._events
-
-    def submit(self, req, mode: str = "streaming", deadline: float | None = None):
-        if self._restarting:  # fail fast: waiting for the restart would hold the caller ~15 s
-            raise Unavailable("the verifier is restarting; retry shortly")
-        sub = roles.Submit(request=request_to_proto(req), request_id=req.request_id, mode=mode,
-                           deadline_unix=deadline or 0.0)  # fmt: skip
-        events = self._event_client()
-        if events is None:
-            stream = self.verifier.generate.options(num_returns="streaming").remote(
-                sub.SerializeToString()
-            )
-            return self._chunks(self._ray_events(stream))
-        try:
-            q = events.submit(sub)
-        except ChannelBroken:
-            self._verifier_lost()
-            raise Unavailable(self.LOST) from None
-        return self._chunks(events.events(req.request_id, q))
-
-    @staticmethod
-    def _ray_events(stream):
-        try:
-            for ref in stream:
-                yield from roles.VerifierEvents.FromString(ray.get(ref)).events
-        except ray.exceptions.RayActorError:
-            raise ChannelBroken("the verifier actor died") from None
-        except ray.exceptions.RayTaskError as exc:
-            raise InternalError(f"verifier task failed: {exc.cause!r}") from None
-
-    def _chunks(self, events):
-        try:
-            for ev in events:
-                kind = ev.WhichOneof("kind")
-                if kind == "error":
-                    raise error_from_wire(ev.error)
-                if kind == "chunk":
-                    yield chunk_from_proto(ev.chunk)
-        except ChannelBroken:
-            self._verifier_lost()
-            raise Unavailable(self.LOST) from None
-
-    def _verifier_lost(self) -> None:
-        """Report NOT_SERVING until the restarted verifier has loaded its models."""
-        if self._closing or not self._watching.acquire(blocking=False):
-            return
-        self._restarting = True
-        log.warning("verifier: lost; NOT_SERVING until it is back")
-        with self._events_lock:
-            if self.events_path == "ray":  # the restarted verifier may run on another host
-                self.events_path = None
-        if self.on_health:
-            self.on_health(False)
-
-        def watch():
-            try:
-                while not self._closing and ray.is_initialized():  # (else Ray would auto-init)
-                    try:
-                        self.ready(timeout=60)
-                    except Exception:
-                        time.sleep(0.5)
-                        continue
-                    log.info("verifier: back after a restart")
-                    if self.on_health:
-                        self.on_health(True)
-                    return
-            finally:
-                self._watching.release()
-
-        threading.Thread(target=watch, name="sanctum-verifier-watch", daemon=True).start()
-
-    def cancel(self, request_id: str) -> None:
-        events = self._events
-        if events is not None and not events.broken:
-            events.cancel(request_id)
-            return
-        with contextlib.suppress(Exception):  # a dead verifier has nothing left to cancel
-            self.verifier.cancel.remote(request_id)
-
-    def stats(self) -> pb.StatsResponse:
-        try:
-            out = pb.StatsResponse.FromString(ray.get(self.verifier.stats.remote(), timeout=10))
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            raise Unavailable("the verifier is restarting") from None
-        seen = out.cache.available
-        try:
-            out.cache.CopyFrom(
-                pb.CacheStats.FromString(ray.get(self.store.stats.remote(), timeout=5))
-            )
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            out.cache.available = False
-        # available = the store answers AND the verifier serves from it again
-        out.cache.available = out.cache.available and seen
-        return out
-
-    def _store_call(self, method, *args):
-        try:
-            return ray.get(method.remote(*args), timeout=10)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            raise Unavailable("the ladder store is restarting; retry shortly") from None
-
-    def list_cache(self, model_key: str = "") -> pb.ListCacheResponse:
-        return pb.ListCacheResponse.FromString(self._store_call(self.store.list, model_key))
-
-    def clear_cache(self, model_key: str = "") -> int:
-        return self._store_call(self.store.clear, model_key)
-
-    def pids(self) -> dict[str, int]:
-        """Process ids of the role actors (fault-injection tests, operators)."""
-        handles = {"verifier": self.verifier, "drafter": self.drafter, "store": self.store}
-        return {k: ray.get(h.pid.remote(), timeout=60) for k, h in handles.items() if h is not None}
-
-    def close(self) -> None:
-        self._closing = True
-        if self._events is not None:
-            self._events.close()
-        # their sockets first: a killed actor runs no cleanup (a later start sweeps what is left)
-        closing = [h.close.remote() for h in (self.verifier, self.drafter) if h is not None]
-        with contextlib.suppress(Exception):
-            ray.get(closing, timeout=5)
-        for h in (self.verifier, self.drafter, self.store):
-            if h is not None:
-                with contextlib.suppress(Exception):  # already gone
-                    ray.kill(h, no_restart=True)

@@ -1,73 +1,292 @@
-"""What the gRPC front end serves from: the roles inline (plain objects in this process) or as
-a Ray actor cluster. Both backends answer the same calls (`submit`, `cancel`, `stats`,
-`list_cache`, `clear_cache`, `ready`, `close`) with the same types, so the servicer, the
-benchmarks and the tests cannot tell them apart except by speed and fault behaviour.
+"""The front end's side of the actor cluster: `start_cluster` creates the verifier, drafter and
+ladder-store actors (cluster/actors.py) on the connected Ray cluster, and `ClusterBackend`
+answers the same calls as the inline backend (serving/inline.py) by talking to them: requests'
+events over the verifier's Unix socket on one host (cluster/events.py), a Ray stream per request
+across hosts; health follows the verifier (NOT_SERVING from its death until it serves again).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import threading
+import time
+import uuid
 
-from ..serving.requests import Chunk, GenerateRequest
-from ..settings import CacheSettings, EngineSettings, cache_settings, engine_settings, sanctum_home
+import ray
+
+from ..serving.errors import InternalError, Unavailable
+from ..serving.requests import Limits
+from ..settings import OPENBLAS_IDLE_SPIN, ServeSettings
+from ..wire.convert import chunk_from_proto, request_to_proto
+from ..wire.errors import error_from_wire
 from ..wire.gen import inference_pb2 as pb
+from ..wire.gen import roles_pb2 as roles
+from .actors import DrafterActor, StoreActor, VerifierActor
+from .events import EventClient
+from .transport import ChannelBroken
 
-log = logging.getLogger("sanctum.backend")
-ROLES = ("verifier", "drafter", "store")
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """Everything `sanctum serve` (or a test, or a benchmark) decides about the roles."""
-
-    engine: EngineSettings
-    cache: CacheSettings
-    max_active: int = 8  # requests interleaved round by round
-    max_queue: int = 64  # more requests may wait; beyond that RESOURCE_EXHAUSTED
-    max_tokens_limit: int = 4096
-    transport: str = "auto"  # drafter + events paths: auto (by Ray node) | shm | object_store
-    round_delay_s: float = 0.0  # benchmark/test knob: a slower target (a wait in every forward)
-    round_delay_busy: bool = False  # the wait keeps the core busy (benchmarks) or sleeps (tests)
-    resources: dict = field(default_factory=dict)  # role -> Ray custom resources (placement)
+log = logging.getLogger("sanctum.cluster")
 
 
-def serve_settings(
-    model=None, drafter=None, block_size=None, bits=None, kv_mode=None, ladder=None,
-    cache_bytes=None, cache_dir=None, max_active=None, max_queue=None, transport=None,
-    resources=None, round_delay_ms=0.0, round_delay_busy=False, env=os.environ,
-) -> ServeSettings:  # fmt: skip
-    """Flags (non-None) over environment over defaults. The prompt cache persists in
-    SANCTUM_HOME/prompt-cache unless a directory (or "none") is given."""
-    engine = engine_settings(model, drafter, block_size, bits, kv_mode, env=env)
-    cache = cache_settings(ladder, cache_bytes, cache_dir, env=env)
-    if cache.directory is None:
-        cache = CacheSettings(
-            cache.ladder_depth, cache.max_bytes, str(sanctum_home() / "prompt-cache")
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS has one, as OpenBLAS counts
+    them): under `taskset -c 0-1` on a 16-core host, 2, not 16."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def role_blas_threads() -> dict[str, str]:
+    """BLAS threads per role (the CPU backend). Ray pins OMP_NUM_THREADS to an actor's CPU count
+    (1 for num_cpus=0), so it is set here. Verifier and drafter take turns (the verifier waits on
+    each draft), so each gets what inline mode's one process uses: the CPUs it may run on, as
+    OpenBLAS counts them. A one-thread drafter cost the default pair 3 ms a round on 4 cores of a
+    16-core host (isolation tax 6.6-9.5% against 1.8% with 4 threads; deploy/README)."""
+    usable = str(usable_cpus())
+    return {
+        "verifier": os.environ.get("OMP_NUM_THREADS") or usable,
+        "drafter": os.environ.get("SANCTUM_DRAFTER_THREADS") or usable,
+        "store": "1",
+    }
+
+
+def start_cluster(settings: ServeSettings) -> ClusterBackend:
+    """Create the three actors on the connected Ray cluster (ray.init first)."""
+    if not ray.is_initialized():
+        raise RuntimeError("ray.init() first (a local cluster, or RAY_ADDRESS)")
+    threads = role_blas_threads()
+
+    def opts(role: str, **kw) -> dict:
+        res = settings.resources.get(role)
+        env = {"env_vars": {"OMP_NUM_THREADS": threads[role]}}
+        if role != "store":  # idle BLAS workers would hold a core through the other one's turn
+            env["env_vars"]["OPENBLAS_THREAD_TIMEOUT"] = os.environ.get(
+                "OPENBLAS_THREAD_TIMEOUT", OPENBLAS_IDLE_SPIN
+            )
+        return dict(num_cpus=0, max_restarts=-1, runtime_env=env, **kw,
+                    **({"resources": res} if res else {}))  # fmt: skip
+
+    prefix = f"sanctum-{uuid.uuid4().hex[:8]}"
+    store = StoreActor.options(**opts("store", name=f"{prefix}-store", max_task_retries=0)).remote(
+        settings.cache.max_bytes, settings.cache.directory
+    )
+    drafter = None
+    if settings.engine.drafter:
+        drafter_opts = opts(
+            "drafter", name=f"{prefix}-drafter", max_task_retries=-1, max_concurrency=4
         )
-    elif cache.directory == "none":
-        cache = CacheSettings(cache.ladder_depth, cache.max_bytes, None)
-    res = dict(resources or {})
-    for role in ROLES:
-        raw = env.get(f"SANCTUM_{role.upper()}_RESOURCES")
-        if raw and role not in res:
+        drafter = DrafterActor.options(**drafter_opts).remote(
+            settings, target_shape(settings.engine.model)
+        )
+    concurrency = settings.max_active + settings.max_queue + 16  # generator threads wait on tickets
+    verifier_opts = opts(
+        "verifier", name=f"{prefix}-verifier", max_task_retries=0, max_concurrency=concurrency
+    )
+    verifier = VerifierActor.options(**verifier_opts).remote(
+        settings, f"{prefix}-drafter" if drafter else None, f"{prefix}-store"
+    )
+    return ClusterBackend(settings, verifier, drafter, store)
+
+
+class ClusterBackend:
+    """The front end's view of the actor cluster (same calls as InlineBackend)."""
+
+    mode = "cluster"
+    LOST = (
+        "the verifier actor died while serving this request; it is restarting, "
+        "retry the request shortly"
+    )
+
+    def __init__(self, settings: ServeSettings, verifier, drafter, store):
+        self.settings = settings
+        self.verifier, self.drafter, self.store = verifier, drafter, store
+        self.on_health = None  # callable(bool): the server flips health while the verifier restarts
+        self.limits: Limits | None = None
+        self._watching = threading.Lock()
+        self._restarting = False  # from the verifier's death until it serves again
+        self._closing = False
+        self._probe: threading.Thread | None = None
+        # how requests' events come back: "socket" (one connection, same host: events.py) or
+        # "ray" (a Ray stream per request); None until known (again after a verifier restart)
+        self.events_path: str | None = None
+        self._events: EventClient | None = None
+        self._events_lock = threading.Lock()
+
+    def ready(self, timeout: float | None = None) -> None:
+        """Block until the verifier (and through it the drafter and store) has loaded."""
+        self.limits = ray.get(self.verifier.ready.remote(), timeout=timeout)
+        self._event_client(timeout)
+        self._restarting = False
+        if self.events_path == "ray" and self._probe is None:
+            self._probe = threading.Thread(target=self._probe_loop, name="sanctum-verifier-probe",
+                                           daemon=True)  # fmt: skip
+            self._probe.start()
+
+    def _probe_loop(self, every_s: float = 1.0) -> None:
+        """Without the event socket (the verifier on another host) nothing hangs up when the
+        verifier dies: ask it for its pid every second instead."""
+        while not self._closing:
+            time.sleep(every_s)
+            if not ray.is_initialized():  # shut down (a call now would start a new Ray)
+                return
+            if self.events_path != "ray" or self._restarting:
+                continue
             try:
-                res[role] = json.loads(raw)
-            except json.JSONDecodeError:
-                raise ValueError(f"SANCTUM_{role.upper()}_RESOURCES is not JSON: {raw!r}") from None
-    transport = transport or env.get("SANCTUM_TRANSPORT", "auto")
-    if transport not in ("auto", "shm", "object_store"):
-        raise ValueError(f"transport must be auto, shm or object_store, got {transport!r}")
-    return ServeSettings(
-        engine, cache,
-        max_active=max_active or int(env.get("SANCTUM_MAX_ACTIVE", 8)),
-        max_queue=max_queue if max_queue is not None else int(env.get("SANCTUM_MAX_QUEUE", 64)),
-        transport=transport, round_delay_s=(round_delay_ms or 0.0) / 1000.0,
-        round_delay_busy=round_delay_busy, resources=res,
-    )  # fmt: skip
+                ray.get(self.verifier.pid.remote(), timeout=10)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self._verifier_lost()
+
+    def _event_client(self, timeout: float | None = 60.0) -> EventClient | None:
+        """The connection for events when the verifier is on this host; None: Ray streams."""
+        with self._events_lock:
+            if self._events is not None and not self._events.broken:
+                return self._events
+            if self.events_path == "ray" or self.settings.transport == "object_store":
+                self.events_path = "ray"
+                return None
+            try:
+                address, authkey, node = ray.get(
+                    self.verifier.events_address.remote(), timeout=timeout
+                )
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                raise Unavailable("the verifier is restarting; retry shortly") from None
+            if (
+                self.settings.transport == "auto"
+                and node != ray.get_runtime_context().get_node_id()
+            ):
+                self.events_path = "ray"
+                return None
+            try:  # its hang-up is how a dead verifier is noticed, requests in flight or not
+                self._events = EventClient(address, authkey, on_lost=self._verifier_lost)
+            except OSError as exc:
+                raise Unavailable(f"cannot reach the verifier's event socket: {exc}") from None
+            self.events_path = "socket"
+            return self._events
+
+    def submit(self, req, mode: str = "streaming", deadline: float | None = None):
+        if self._restarting:  # fail fast: waiting for the restart would hold the caller ~15 s
+            raise Unavailable("the verifier is restarting; retry shortly")
+        sub = roles.Submit(request=request_to_proto(req), request_id=req.request_id, mode=mode,
+                           deadline_unix=deadline or 0.0)  # fmt: skip
+        events = self._event_client()
+        if events is None:
+            stream = self.verifier.generate.options(num_returns="streaming").remote(
+                sub.SerializeToString()
+            )
+            return self._chunks(self._ray_events(stream))
+        try:
+            q = events.submit(sub)
+        except ChannelBroken:
+            self._verifier_lost()
+            raise Unavailable(self.LOST) from None
+        return self._chunks(events.events(req.request_id, q))
+
+    @staticmethod
+    def _ray_events(stream):
+        try:
+            for ref in stream:
+                yield from roles.VerifierEvents.FromString(ray.get(ref)).events
+        except ray.exceptions.RayActorError:
+            raise ChannelBroken("the verifier actor died") from None
+        except ray.exceptions.RayTaskError as exc:
+            raise InternalError(f"verifier task failed: {exc.cause!r}") from None
+
+    def _chunks(self, events):
+        try:
+            for ev in events:
+                kind = ev.WhichOneof("kind")
+                if kind == "error":
+                    raise error_from_wire(ev.error)
+                if kind == "chunk":
+                    yield chunk_from_proto(ev.chunk)
+        except ChannelBroken:
+            self._verifier_lost()
+            raise Unavailable(self.LOST) from None
+
+    def _verifier_lost(self) -> None:
+        """Report NOT_SERVING until the restarted verifier has loaded its models."""
+        if self._closing or not self._watching.acquire(blocking=False):
+            return
+        self._restarting = True
+        log.warning("verifier: lost; NOT_SERVING until it is back")
+        with self._events_lock:
+            if self.events_path == "ray":  # the restarted verifier may run on another host
+                self.events_path = None
+        if self.on_health:
+            self.on_health(False)
+
+        def watch():
+            try:
+                while not self._closing and ray.is_initialized():  # (else Ray would auto-init)
+                    try:
+                        self.ready(timeout=60)
+                    except Exception:
+                        time.sleep(0.5)
+                        continue
+                    log.info("verifier: back after a restart")
+                    if self.on_health:
+                        self.on_health(True)
+                    return
+            finally:
+                self._watching.release()
+
+        threading.Thread(target=watch, name="sanctum-verifier-watch", daemon=True).start()
+
+    def cancel(self, request_id: str) -> None:
+        events = self._events
+        if events is not None and not events.broken:
+            events.cancel(request_id)
+            return
+        with contextlib.suppress(Exception):  # a dead verifier has nothing left to cancel
+            self.verifier.cancel.remote(request_id)
+
+    def stats(self) -> pb.StatsResponse:
+        try:
+            out = pb.StatsResponse.FromString(ray.get(self.verifier.stats.remote(), timeout=10))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            raise Unavailable("the verifier is restarting") from None
+        seen = out.cache.available
+        try:
+            out.cache.CopyFrom(
+                pb.CacheStats.FromString(ray.get(self.store.stats.remote(), timeout=5))
+            )
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            out.cache.available = False
+        # available = the store answers AND the verifier serves from it again
+        out.cache.available = out.cache.available and seen
+        return out
+
+    def _store_call(self, method, *args):
+        try:
+            return ray.get(method.remote(*args), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            raise Unavailable("the ladder store is restarting; retry shortly") from None
+
+    def list_cache(self, model_key: str = "") -> pb.ListCacheResponse:
+        return pb.ListCacheResponse.FromString(self._store_call(self.store.list, model_key))
+
+    def clear_cache(self, model_key: str = "") -> int:
+        return self._store_call(self.store.clear, model_key)
+
+    def pids(self) -> dict[str, int]:
+        """Process ids of the role actors (fault-injection tests, operators)."""
+        handles = {"verifier": self.verifier, "drafter": self.drafter, "store": self.store}
+        return {k: ray.get(h.pid.remote(), timeout=60) for k, h in handles.items() if h is not None}
+
+    def close(self) -> None:
+        self._closing = True
+        if self._events is not None:
+            self._events.close()
+        # their sockets first: a killed actor runs no cleanup (a later start sweeps what is left)
+        closing = [h.close.remote() for h in (self.verifier, self.drafter) if h is not None]
+        with contextlib.suppress(Exception):
+            ray.get(closing, timeout=5)
+        for h in (self.verifier, self.drafter, self.store):
+            if h is not None:
+                with contextlib.suppress(Exception):  # already gone
+                    ray.kill(h, no_restart=True)
 
 
 def target_shape(model: str) -> tuple[int, int, int]:
@@ -77,136 +296,3 @@ def target_shape(model: str) -> tuple[int, int, int]:
     raw = read_config(resolve_checkpoint(model))
     text = raw.get("text_config", raw)
     return int(text["num_hidden_layers"]), int(text["hidden_size"]), int(text["vocab_size"])
-
-
-def _slow_down(target, seconds: float, busy: bool) -> None:
-    """Benchmarks and tests: every target forward (a verify block, a plain step, a prefill call)
-    takes `seconds` longer, as a slower target would. Busy for benchmarks (a real forward keeps
-    its core busy; a sleep lets the cores go cold), asleep for tests."""
-    import time
-
-    forward = target.forward
-
-    def slower(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        if not busy:
-            time.sleep(seconds)
-        else:
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                pass
-        return out
-
-    target.forward = slower
-
-
-def make_verifier(settings: ServeSettings, store, remote_peer=None):
-    """Load the target and wrap it in the verifier role. Without `remote_peer` the whole
-    drafter is loaded here (inline); with it, only the drafter head (the body is remote)."""
-    from ..engine.target import load_target
-    from ..serving.verifier import Verifier
-
-    e = settings.engine
-    target = load_target(e.model)
-    if settings.round_delay_s:
-        _slow_down(target, settings.round_delay_s, settings.round_delay_busy)
-    drafter = peer = None
-    if e.drafter:
-        from ..engine.drafter import load_drafter
-        from ..engine.speculative import LocalDraftPeer
-
-        parts = "head" if remote_peer is not None else "both"
-        drafter = load_drafter(
-            e.drafter, target, block_size=e.block_size, bits=e.drafter_bits, parts=parts
-        )
-        peer = remote_peer() if remote_peer is not None else LocalDraftPeer(drafter)
-    verifier = Verifier(target, drafter, peer, store, settings.cache.ladder_depth, e.kv_mode,
-                        e.block_size, settings.max_tokens_limit)  # fmt: skip
-    return verifier
-
-
-def stats_message(
-    mode: str, settings: ServeSettings, verifier, sched: dict, peer
-) -> pb.StatsResponse:
-    m = verifier.metrics
-    e = settings.engine
-    out = pb.StatsResponse(
-        model=e.model, drafter=e.drafter or "", block_size=verifier.decoder.block_size, kv=e.kv_mode,
-        mode=mode, active=sched["active"], waiting=sched["waiting"], requests=m.requests,
-        prompt_tokens=m.prompt_tokens, cached_tokens=m.cached_tokens,
-        completion_tokens=m.completion_tokens, rounds=m.rounds, drafted_tokens=m.drafted_tokens,
-        accepted_tokens=m.accepted_tokens, cancelled=sched["cancelled"], rejected=sched["rejected"],
-        drafter_available=bool(e.drafter) and (peer is None or peer.available),
-        transport="inline" if peer is None else peer.kind,
-    )  # fmt: skip
-    rounds = max(1, m.rounds)
-    out.round_draft_ms, out.round_verify_ms, out.round_rollback_ms, out.round_other_ms = (
-        1000.0 * m.round_s[k] / rounds for k in ("draft", "verify", "rollback", "other")
-    )
-    if peer is not None:
-        s = peer.summary()
-        out.draft_calls = s["draft_calls"]
-        out.transport_ms_per_round = s["transport_ms_per_call"]
-        out.transport_bytes_per_round = s["bytes_per_call"]
-        out.drafter_compute_ms_per_round = s["drafter_compute_ms_per_call"]
-        out.drafter_wait_ms_per_round = s["drafter_wait_ms_per_call"]
-        out.overlapped_draft_calls = s["hidden_calls"]
-    return out
-
-
-class InlineBackend:
-    """The three roles as plain objects in this process: the isolation baseline (`--inline`)."""
-
-    mode = "inline"
-
-    def __init__(self, settings: ServeSettings):
-        from ..cache.store import PromptStore
-        from ..serving.scheduler import Scheduler
-
-        self.settings = settings
-        self.store = None
-
-        def load():  # on the scheduler's thread, which then owns MLX
-            self.store = PromptStore(settings.cache.max_bytes, settings.cache.directory)
-            return make_verifier(settings, self.store)
-
-        self.scheduler = Scheduler(load, settings.max_active, settings.max_queue)
-
-    def ready(self, timeout: float | None = None) -> None:
-        """Block until the models are loaded (raises if loading failed)."""
-        self.scheduler.wait_ready(timeout)
-
-    @property
-    def verifier(self):
-        return self.scheduler.verifier
-
-    @property
-    def limits(self):
-        return self.verifier.limits if self.verifier is not None else None
-
-    def submit(
-        self, req: GenerateRequest, mode: str = "streaming", deadline: float | None = None
-    ) -> Iterator[Chunk]:
-        """Chunks of `req` as they are committed; raises QueueFull / Unavailable at once."""
-        return iter(self.scheduler.submit(req, mode, deadline))
-
-    def cancel(self, request_id: str) -> None:
-        self.scheduler.cancel(request_id)
-
-    def stats(self) -> pb.StatsResponse:
-        from .store import cache_stats
-
-        out = stats_message(self.mode, self.settings, self.verifier, self.scheduler.stats(), None)
-        out.cache.CopyFrom(cache_stats(self.store))
-        return out
-
-    def list_cache(self, model_key: str = "") -> pb.ListCacheResponse:
-        from .store import StoreService
-
-        return pb.ListCacheResponse.FromString(StoreService(self.store).list(model_key))
-
-    def clear_cache(self, model_key: str = "") -> int:
-        return self.store.clear(model_key or None)
-
-    def close(self) -> None:
-        self.scheduler.shutdown()

@@ -34,9 +34,10 @@ import threading
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Client
 
-from ..serving.requests import InvalidRequest
-from ..serving.scheduler import End, InternalError, QueueFull, Unavailable
+from ..serving.errors import InvalidRequest
+from ..serving.scheduler import End
 from ..wire.convert import chunk_to_proto
+from ..wire.errors import error_event
 from ..wire.gen import roles_pb2 as roles
 from .sockets import UnixListener
 from .transport import ChannelBroken
@@ -48,32 +49,6 @@ _STOP = object()
 
 
 # ---- events and errors on the wire ----------------------------------------------------------
-
-
-def error_event(exc: BaseException) -> roles.VerifierEvent:
-    E = roles.RoleError
-    if isinstance(exc, InvalidRequest):
-        text = str(exc)
-        text = text[len(exc.field) + 2 :] if text.startswith(f"{exc.field}: ") else text
-        err = E(code=E.INVALID_ARGUMENT, field=exc.field, message=text)
-    elif isinstance(exc, QueueFull):
-        err = E(code=E.RESOURCE_EXHAUSTED, message=str(exc))
-    elif isinstance(exc, Unavailable):
-        err = E(code=E.UNAVAILABLE, message=str(exc))
-    else:
-        err = E(code=E.INTERNAL, message=str(exc) or exc.__class__.__name__)
-    return roles.VerifierEvent(error=err)
-
-
-def error_from_wire(err: roles.RoleError) -> Exception:
-    E = roles.RoleError
-    if err.code == E.INVALID_ARGUMENT:
-        return InvalidRequest(err.field, err.message)
-    if err.code == E.RESOURCE_EXHAUSTED:
-        return QueueFull(err.message)
-    if err.code == E.UNAVAILABLE:
-        return Unavailable(err.message)
-    return InternalError(err.message)
 
 
 def to_event(item, index: int) -> roles.VerifierEvent:

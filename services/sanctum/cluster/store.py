@@ -15,54 +15,18 @@ from __future__ import annotations
 import logging
 import time
 
-import mlx.core as mx
 import numpy as np
 
 from ..cache.store import CacheEntry, PromptStore, ResumePlan
 from ..wire.gen import inference_pb2 as pb
 from ..wire.gen import roles_pb2 as roles
-from .transport import dtype_name, from_numpy, to_numpy
+from ..wire.tensors import _host, flatten, unflatten
 
 log = logging.getLogger("sanctum.store")
 
 
 class StoreUnavailable(RuntimeError):
     """The ladder store is restarting or unreachable: serve uncached."""
-
-
-# ---- layout ------------------------------------------------------------------------------
-
-
-def flatten(kv: list[tuple], rungs: dict, taps) -> tuple[roles.TensorLayout, list[mx.array]]:
-    """KV layers, rungs (ascending position, (conv, state) per GDN layer), taps -> flat list."""
-    arrays = [a for layer in kv for a in layer]
-    positions = sorted(rungs)
-    for p in positions:
-        arrays.extend(x for pair in rungs[p] for x in pair)
-    if taps is not None:
-        arrays.append(taps)
-    layout = roles.TensorLayout(
-        kv_layers=[len(layer) for layer in kv],
-        rungs=positions,
-        gdn_layers=len(rungs[positions[0]]) if positions else 0,
-        has_taps=taps is not None,
-        dtypes=[dtype_name(a.dtype) for a in arrays],
-    )
-    return layout, arrays
-
-
-def unflatten(layout: roles.TensorLayout, arrays: list[np.ndarray]):
-    """The inverse of `flatten`, as MLX arrays: (kv, rungs, taps)."""
-    xs = iter(from_numpy(x, d) for x, d in zip(arrays, layout.dtypes))
-    kv = [tuple(next(xs) for _ in range(n)) for n in layout.kv_layers]
-    rungs = {int(p): [(next(xs), next(xs)) for _ in range(layout.gdn_layers)] for p in layout.rungs}
-    taps = next(xs) if layout.has_taps else None
-    return kv, rungs, taps
-
-
-def _host(arrays: list[mx.array]) -> list[np.ndarray]:
-    mx.eval(arrays)
-    return [np.array(to_numpy(a)) for a in arrays]  # own copies: the object store takes them
 
 
 # ---- the store side ------------------------------------------------------------------------

@@ -38,45 +38,16 @@ import mlx.core as mx
 import numpy as np
 
 from ..wire.gen import roles_pb2 as roles
+from ..wire.tensors import _NP, dtype_name, from_numpy, to_numpy
 from .sockets import UnixListener
 
 log = logging.getLogger("sanctum.transport")
 ALIGN = 64  # byte alignment of tensors in a slot
 MIN_SLOT_BYTES = 1 << 20
 
-_NP = {
-    "float32": np.float32,
-    "float16": np.float16,
-    "bfloat16": np.uint16,  # bit pattern; restored with mx.view
-    "int32": np.int32,
-    "uint32": np.uint32,
-    "int64": np.int64,
-    "uint8": np.uint8,
-    "uint16": np.uint16,
-}
-
 
 class ChannelBroken(ConnectionError):
     """The peer process went away (or stopped answering): the channel must be rebuilt."""
-
-
-# ---- numpy <-> MLX -----------------------------------------------------------------------
-
-
-def dtype_name(dtype: mx.Dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
-
-
-def to_numpy(a: mx.array) -> np.ndarray:
-    """A host copy (or view) of `a` that numpy understands; bfloat16 as uint16 bits."""
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    return np.asarray(a)
-
-
-def from_numpy(x: np.ndarray, dtype: str) -> mx.array:
-    a = mx.array(x)  # copies: the source may be a shared slot or a read-only object-store buffer
-    return a.view(mx.bfloat16) if dtype == "bfloat16" else a
 
 
 # ---- the shared-memory slot --------------------------------------------------------------
@@ -140,9 +111,6 @@ class Slot:
         self.unlink()
         with contextlib.suppress(BufferError):
             self.shm.close()
-
-
-# ---- a Unix-socket listener (the drafter's channel, the verifier's event socket) -------------
 
 
 # ---- drafter side: serving DraftRequests over Unix sockets ---------------------------------

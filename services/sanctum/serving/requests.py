@@ -14,14 +14,7 @@ from dataclasses import dataclass, field
 
 from ..engine.sampling import SamplingParams
 from ..tokenizer import CHAT_ROLES
-
-
-class InvalidRequest(ValueError):
-    """Bad input; `field` names the offending request field (gRPC INVALID_ARGUMENT)."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+from .errors import InvalidRequest
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .requests import Chunk, GenerateRequest, InvalidRequest
+from .errors import InternalError, InvalidRequest, QueueFull, Unavailable
+from .requests import Chunk, GenerateRequest
 
 log = logging.getLogger("sanctum.scheduler")
 
@@ -38,19 +39,6 @@ MIN_PREFILL_SLICE = 64  # a forward has a fixed cost too: fewer tokens would mos
 # Threads that prepare requests (the tokenizer releases the GIL): two, so one huge prompt
 # being tokenized does not hold up every other request's admission.
 PREPARE_THREADS = 2
-
-
-class QueueFull(RuntimeError):
-    """Too many requests waiting (gRPC RESOURCE_EXHAUSTED)."""
-
-
-class Unavailable(RuntimeError):
-    """The server cannot take or finish the request now: draining, or a role died
-    (gRPC UNAVAILABLE; the client may retry)."""
-
-
-class InternalError(RuntimeError):
-    """A request failed inside the engine; other requests are unaffected."""
 
 
 class End:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..engine.drafter import CandidateSelector, DraftBody, DrafterConfig
+from ..engine.drafter import CandidateSelector, DraftBody
+from ..engine.drafter_config import DrafterConfig
 from ..engine.target import Target
 
 GAMMA = {8: 4.0, 16: 7.0}  # position-weight decay per block size (DFLASH.md)

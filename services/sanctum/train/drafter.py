@@ -23,7 +23,8 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from ..engine.drafter import CandidateSelector, DraftBody, DrafterConfig, default_tap_ids
+from ..engine.drafter import CandidateSelector, DraftBody
+from ..engine.drafter_config import DrafterConfig, default_tap_ids
 from ..engine.target import Target
 from ..tokenizer import MASK
 from .blocks import draft_loss, position_weights, sample_anchors, target_pass

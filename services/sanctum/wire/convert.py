@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 import uuid
 
-from ..serving.requests import Chunk, GenerateRequest, InvalidRequest, Usage
+from ..serving.errors import InvalidRequest
+from ..serving.requests import Chunk, GenerateRequest, Usage
 from .gen import inference_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 64

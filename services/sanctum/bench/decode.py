@@ -1,0 +1,158 @@
+"""`sanctum bench speculative` and `sanctum bench tau`: plain against speculative decoding on one
+process, the same prompts interleaved, EOS ignored so that every run has the same length."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def _run_once(target, drafter, prompt_ids, max_tokens, settings, sampling=None, profile=False):
+    """One generation; (tokens, round stats, decode seconds, time to first token). Decode time
+    runs from the first token to the last, so a long prompt's prefill stays out of tok/s.
+    `profile` syncs after each phase of a round, for an exact split (and slower rounds)."""
+    from ..engine.sampling import SamplingParams
+    from ..engine.speculative import generate
+
+    t0 = time.perf_counter()
+    steps, t_first = [], None
+    for step in generate(target, prompt_ids, drafter=drafter, sampling=sampling or SamplingParams(),
+                         max_tokens=max_tokens, block_size=settings.block_size,
+                         kv_mode=settings.kv_mode, eos_ids=set(), profile=profile):  # fmt: skip
+        steps.append(step)
+        if t_first is None:
+            t_first = time.perf_counter()
+    decode_s = time.perf_counter() - t_first
+    tokens = [t for s in steps for t in s.tokens]
+    return tokens, [s.stats for s in steps if s.stats is not None], decode_s, t_first - t0
+
+
+def _tau(rounds) -> float:
+    spec = [r for r in rounds if r.bs > 1]
+    return round(sum(r.accepted + 1 for r in spec) / max(1, len(spec)), 3)
+
+
+def speculative(args) -> dict:
+    """Plain vs speculative greedy decode of the same prompt; EOS ignored so lengths match."""
+    from ..cli import _load_local
+
+    settings, target, drafter = _load_local(args)
+    if drafter is None:
+        raise ValueError("bench speculative needs a drafter")
+    prompt_ids = target.tokenizer.encode(args.prompt, add_special_tokens=False)
+    _run_once(target, None, prompt_ids, 8, settings)  # warm up compiled kernels
+    _run_once(target, drafter, prompt_ids, 8, settings)
+    plain_t, spec_t, spec_rounds, same = [], [], [], True
+    for _ in range(args.repeats):
+        p_tokens, _, p_elapsed, _ = _run_once(target, None, prompt_ids, args.max_tokens, settings)
+        s_tokens, rounds, s_elapsed, _ = _run_once(
+            target, drafter, prompt_ids, args.max_tokens, settings
+        )
+        plain_t.append((len(p_tokens) - 1) / p_elapsed)
+        spec_t.append((len(s_tokens) - 1) / s_elapsed)
+        same &= p_tokens == s_tokens
+    # the split from a run that syncs after each phase (the timed runs sync once a round)
+    _, rounds, _, _ = _run_once(target, drafter, prompt_ids, args.max_tokens, settings,
+                                profile=True)  # fmt: skip
+    spec_rounds.extend(r for r in rounds if r.bs > 1)
+    n = max(1, len(spec_rounds))
+    split = {
+        name: round(1000 * sum(getattr(r, f"{name}_s") for r in spec_rounds) / n, 3)
+        for name in ("draft", "verify", "rollback", "other")
+    }
+    plain, spec = statistics.median(plain_t), statistics.median(spec_t)
+    return {
+        "model": settings.model,
+        "drafter": settings.drafter,
+        "block_size": drafter.block_size,
+        "kv": settings.kv_mode,
+        "max_tokens": args.max_tokens,
+        "plain_tok_s": round(plain, 2),
+        "speculative_tok_s": round(spec, 2),
+        "ratio": round(spec / plain, 3),
+        "tau": round(sum(r.accepted + 1 for r in spec_rounds) / n, 3),
+        "round_ms": split,
+        "greedy_outputs_identical": same,
+    }
+
+
+def context_prompts(target, contexts: list[int], count: int, seed: int = 0) -> dict:
+    """Prompts per context length from held-out files (never trained on): `count` function stubs
+    (half raw code, half a chat turn; `heldout_prompts`), each after `context` tokens of other
+    held-out text and an end-of-text token, the way a conversation or an open file precedes a
+    request."""
+    import numpy as np
+
+    from ..tokenizer import EOT
+    from ..train.data import heldout_prompts, heldout_tokens
+
+    tokenizer = target.tokenizer
+    stubs = [tokenizer.encode(p, add_special_tokens=False) for p in heldout_prompts(count, seed)]
+    stream = heldout_tokens(target.path) if any(contexts) else None
+    eot = tokenizer.convert_tokens_to_ids(EOT)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for c in contexts:
+        rows = []
+        for stub in stubs:
+            if c:
+                s = int(rng.integers(0, stream.size - c))
+                rows.append([int(t) for t in stream[s : s + c]] + [eot] + stub)
+            else:
+                rows.append(stub)
+        out[c] = rows
+    return out
+
+
+def tau(args) -> list[dict]:
+    """Per context length: tau per block size (greedy) and at each sampling temperature
+    (seeded), and plain vs speculative decode tok/s over the same prompts (interleaved prompt by
+    prompt, prefill excluded); prompts from held-out files; EOS ignored, so every run is
+    max_tokens. Greedy speculative output is checked against plain greedy output."""
+    from dataclasses import replace
+
+    from ..cli import _load_local
+    from ..engine.sampling import SamplingParams
+
+    settings, target, drafter = _load_local(args)
+    if drafter is None:
+        raise ValueError("bench tau needs a drafter")
+    contexts = [int(c) for c in args.contexts.split(",")]
+    blocks = [int(b) for b in args.block_sizes.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",") if float(t) > 0]
+    prompts = context_prompts(target, contexts, args.num_prompts, args.seed)
+    _run_once(target, drafter, prompts[contexts[0]][0], 8, settings)  # warm up
+    rows = []
+    for c in contexts:
+        plain_n = plain_s = 0.0
+        spec = {b: [0.0, 0.0, []] for b in blocks}  # tokens, seconds, rounds
+        sampled = {t: [] for t in temps}
+        same = True
+        for i, ids in enumerate(prompts[c]):
+            p_tokens, _, p_s, _ = _run_once(target, None, ids, args.max_tokens, settings)
+            plain_n, plain_s = plain_n + len(p_tokens) - 1, plain_s + p_s
+            for b in blocks:
+                tokens, stats, s_s, _ = _run_once(target, drafter, ids, args.max_tokens,
+                                                  replace(settings, block_size=b))  # fmt: skip
+                spec[b][0] += len(tokens) - 1
+                spec[b][1] += s_s
+                spec[b][2] += stats
+                same &= tokens == p_tokens
+            for t in temps:
+                sp = SamplingParams(temperature=t, seed=args.seed * 1000 + i)
+                _, stats, _, _ = _run_once(target, drafter, ids, args.max_tokens,
+                                           replace(settings, block_size=blocks[0]), sp)  # fmt: skip
+                sampled[t] += stats
+        plain = plain_n / plain_s
+        row = {"context": c, "prompt_tokens": round(sum(map(len, prompts[c])) / len(prompts[c])),
+               "prompts": len(prompts[c]), "plain_tok_s": round(plain, 2)}  # fmt: skip
+        for b in blocks:
+            n, secs, stats = spec[b]
+            row[f"tau_b{b}"] = _tau(stats)
+            row[f"speculative_tok_s_b{b}"] = round(n / secs, 2)
+            row[f"ratio_b{b}"] = round(n / secs / plain, 3)
+        for t in temps:
+            row[f"tau_t{t:g}_b{blocks[0]}"] = _tau(sampled[t])
+        row["greedy_outputs_identical"] = same
+        rows.append(row)
+    return rows

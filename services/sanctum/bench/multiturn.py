@@ -1,0 +1,107 @@
+"""`sanctum bench multiturn` (the prompt cache across the turns of a chat) and `sanctum bench
+reencode` (the re-encoding watch's cost a round)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def _code_snippets(count: int, chars: int = 900) -> list[str]:
+    """Deterministic user material: slices of the standard library's own source."""
+    from ..tokenizer import python_stdlib_files
+
+    out = []
+    for path in python_stdlib_files():
+        text = path.read_text(errors="ignore")
+        if len(text) > chars * 2:
+            out.append(text[chars : 2 * chars])
+        if len(out) == count:
+            break
+    return out
+
+
+def multiturn(args) -> list[dict]:
+    """A chat whose history grows turn by turn; per turn the prompt cache's resume figures and
+    time to first token warm (cache as the conversation left it) and cold (same prompt, no
+    cache). Assistant replies go back into the history as generated, so the template's own
+    rewriting (dropped <think> blocks) decides where the next prefix really ends."""
+    from ..cache.store import PromptStore
+    from ..cli import _load_local
+    from ..engine.speculative import LocalDraftPeer
+    from ..serving.requests import GenerateRequest
+    from ..serving.verifier import Verifier
+    from ..settings import cache_settings
+
+    settings, target, drafter = _load_local(args)
+    cache = cache_settings(ladder=args.ladder)
+    verifier = Verifier(target, drafter, LocalDraftPeer(drafter) if drafter else None,
+                        PromptStore(cache.max_bytes), cache.ladder_depth, settings.kv_mode,
+                        settings.block_size)  # fmt: skip
+    messages = [{"role": "system", "content": "You are a careful Python reviewer."}]
+    rows = []
+    for turn, snippet in enumerate(_code_snippets(args.turns), start=1):
+        messages.append(
+            {"role": "user", "content": f"Review this code:\n```python\n{snippet}\n```"}
+        )
+
+        def ask(use_cache, seed=turn):
+            req = GenerateRequest(messages=tuple(messages), max_tokens=args.max_tokens,
+                                  use_cache=use_cache, seed=seed)  # fmt: skip
+            chunks = list(verifier.generate(req))
+            return "".join(c.text for c in chunks), chunks[-1].usage
+
+        cold_text, cold = ask(use_cache=False)
+        text, warm = ask(use_cache=True)
+        assert text == cold_text, "a resumed request must equal the cold one"
+        rows.append({
+            "turn": turn,
+            "prompt_tokens": warm.prompt_tokens,
+            "requested_lcp": warm.requested_lcp,
+            "resumed_at": warm.resumed_at,
+            "prefix_cached": warm.cached_tokens,
+            "cache_hit_ratio": warm.cache_hit_ratio,
+            "tau": round(warm.tau, 3),
+            "ttft_warm_s": warm.ttft_s,
+            "ttft_cold_s": cold.ttft_s,
+            "kv": warm.kv,
+        })  # fmt: skip
+        messages.append({"role": "assistant", "content": text})
+    return rows
+
+
+def reencode(args) -> dict:
+    """The re-encoding watch's cost a round (tokenizer.Reencoder, only the unsettled text) against
+    re-encoding the whole completion, on held-out stdlib code, `--round-tokens` at a time."""
+    from mlx_lm.utils import load_tokenizer
+
+    from ..settings import engine_settings
+    from ..tokenizer import Reencoder
+    from ..train.data import corpus_files, is_holdout
+
+    settings = engine_settings(args.model, "none", None, None, None)
+    tok = load_tokenizer(settings.model)
+    held_out = sorted(p for name, p in corpus_files(None) if is_holdout(name) and p.suffix == ".py")
+    text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in held_out[:8])
+    lengths = [int(n) for n in args.lengths.split(",")]
+    ids = tok.encode(text, add_special_tokens=False)[: max(lengths)]
+    if len(ids) < max(lengths):
+        raise ValueError(f"the held-out text has only {len(ids)} tokens")
+    reencoder, widest, windowed = Reencoder(tok), 0, {}
+    for end in range(args.round_tokens, len(ids) + 1, args.round_tokens):
+        t0 = time.perf_counter()
+        reencoder.first_difference(ids[:end], final=False)
+        windowed[end] = time.perf_counter() - t0
+        widest = max(widest, end - reencoder.settled)
+    result = {"model": settings.model, "round_tokens": args.round_tokens,
+              "widest_window_tokens": widest, "gave_up": reencoder.exhausted}  # fmt: skip
+    for n in lengths:
+        near = [windowed[e] for e in windowed if n - 64 < e <= n]  # the rounds just before n
+        whole = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            tok.encode(tok.decode(ids[:n]), add_special_tokens=False)
+            whole.append(time.perf_counter() - t0)
+        result[f"windowed_ms_at_{n}"] = round(1000.0 * statistics.median(near), 3)
+        result[f"whole_ms_at_{n}"] = round(1000.0 * statistics.median(whole), 3)
+    return result

@@ -1,0 +1,150 @@
+"""What the gRPC front end serves from: the roles inline (plain objects in this process) or as
+a Ray actor cluster (cluster/backend.py). Both backends answer the same calls (`submit`,
+`cancel`, `stats`, `list_cache`, `clear_cache`, `ready`, `close`) with the same types, so the
+servicer, the benchmarks and the tests cannot tell them apart except by speed and fault
+behaviour.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from ..settings import ServeSettings
+from ..wire.gen import inference_pb2 as pb
+from .requests import Chunk, GenerateRequest
+
+log = logging.getLogger("sanctum.backend")
+
+
+def _slow_down(target, seconds: float, busy: bool) -> None:
+    """Benchmarks and tests: every target forward (a verify block, a plain step, a prefill call)
+    takes `seconds` longer, as a slower target would. Busy for benchmarks (a real forward keeps
+    its core busy; a sleep lets the cores go cold), asleep for tests."""
+    import time
+
+    forward = target.forward
+
+    def slower(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if not busy:
+            time.sleep(seconds)
+        else:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+        return out
+
+    target.forward = slower
+
+
+def make_verifier(settings: ServeSettings, store, remote_peer=None):
+    """Load the target and wrap it in the verifier role. Without `remote_peer` the whole
+    drafter is loaded here (inline); with it, only the drafter head (the body is remote)."""
+    from ..engine.target import load_target
+    from .verifier import Verifier
+
+    e = settings.engine
+    target = load_target(e.model)
+    if settings.round_delay_s:
+        _slow_down(target, settings.round_delay_s, settings.round_delay_busy)
+    drafter = peer = None
+    if e.drafter:
+        from ..engine.drafter import load_drafter
+        from ..engine.speculative import LocalDraftPeer
+
+        parts = "head" if remote_peer is not None else "both"
+        drafter = load_drafter(
+            e.drafter, target, block_size=e.block_size, bits=e.drafter_bits, parts=parts
+        )
+        peer = remote_peer() if remote_peer is not None else LocalDraftPeer(drafter)
+    verifier = Verifier(target, drafter, peer, store, settings.cache.ladder_depth, e.kv_mode,
+                        e.block_size, settings.max_tokens_limit)  # fmt: skip
+    return verifier
+
+
+def stats_message(
+    mode: str, settings: ServeSettings, verifier, sched: dict, peer
+) -> pb.StatsResponse:
+    m = verifier.metrics
+    e = settings.engine
+    out = pb.StatsResponse(
+        model=e.model, drafter=e.drafter or "", block_size=verifier.decoder.block_size, kv=e.kv_mode,
+        mode=mode, active=sched["active"], waiting=sched["waiting"], requests=m.requests,
+        prompt_tokens=m.prompt_tokens, cached_tokens=m.cached_tokens,
+        completion_tokens=m.completion_tokens, rounds=m.rounds, drafted_tokens=m.drafted_tokens,
+        accepted_tokens=m.accepted_tokens, cancelled=sched["cancelled"], rejected=sched["rejected"],
+        drafter_available=bool(e.drafter) and (peer is None or peer.available),
+        transport="inline" if peer is None else peer.kind,
+    )  # fmt: skip
+    rounds = max(1, m.rounds)
+    out.round_draft_ms, out.round_verify_ms, out.round_rollback_ms, out.round_other_ms = (
+        1000.0 * m.round_s[k] / rounds for k in ("draft", "verify", "rollback", "other")
+    )
+    if peer is not None:
+        s = peer.summary()
+        out.draft_calls = s["draft_calls"]
+        out.transport_ms_per_round = s["transport_ms_per_call"]
+        out.transport_bytes_per_round = s["bytes_per_call"]
+        out.drafter_compute_ms_per_round = s["drafter_compute_ms_per_call"]
+        out.drafter_wait_ms_per_round = s["drafter_wait_ms_per_call"]
+        out.overlapped_draft_calls = s["hidden_calls"]
+    return out
+
+
+class InlineBackend:
+    """The three roles as plain objects in this process: the isolation baseline (`--inline`)."""
+
+    mode = "inline"
+
+    def __init__(self, settings: ServeSettings):
+        from ..cache.store import PromptStore
+        from .scheduler import Scheduler
+
+        self.settings = settings
+        self.store = None
+
+        def load():  # on the scheduler's thread, which then owns MLX
+            self.store = PromptStore(settings.cache.max_bytes, settings.cache.directory)
+            return make_verifier(settings, self.store)
+
+        self.scheduler = Scheduler(load, settings.max_active, settings.max_queue)
+
+    def ready(self, timeout: float | None = None) -> None:
+        """Block until the models are loaded (raises if loading failed)."""
+        self.scheduler.wait_ready(timeout)
+
+    @property
+    def verifier(self):
+        return self.scheduler.verifier
+
+    @property
+    def limits(self):
+        return self.verifier.limits if self.verifier is not None else None
+
+    def submit(
+        self, req: GenerateRequest, mode: str = "streaming", deadline: float | None = None
+    ) -> Iterator[Chunk]:
+        """Chunks of `req` as they are committed; raises QueueFull / Unavailable at once."""
+        return iter(self.scheduler.submit(req, mode, deadline))
+
+    def cancel(self, request_id: str) -> None:
+        self.scheduler.cancel(request_id)
+
+    def stats(self) -> pb.StatsResponse:
+        from ..cluster.store import cache_stats
+
+        out = stats_message(self.mode, self.settings, self.verifier, self.scheduler.stats(), None)
+        out.cache.CopyFrom(cache_stats(self.store))
+        return out
+
+    def list_cache(self, model_key: str = "") -> pb.ListCacheResponse:
+        from ..cluster.store import StoreService
+
+        return pb.ListCacheResponse.FromString(StoreService(self.store).list(model_key))
+
+    def clear_cache(self, model_key: str = "") -> int:
+        return self.store.clear(model_key or None)
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
