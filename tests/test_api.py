@@ -29,7 +29,7 @@ ray = pytest.importorskip("ray")
 
 from sanctum.api.client import Client, make_request
 from sanctum.api.server import Server
-from sanctum.serving.inline import InlineBackend
+from sanctum.serving.inline import InlineBackend, RoundDelay
 from sanctum.settings import serve_settings
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:", "The quick brown fox",
@@ -316,10 +316,8 @@ def test_cli_generate_server_json_matches_local(server, pair, capsys):
 
 
 def test_queue_full_and_message_limit(pair, tmp_path):
-    settings = serve_settings(
-        pair[0], pair[1], cache_dir="none", max_active=1, max_queue=1, round_delay_ms=20, env={}
-    )  # slow rounds: the busy ones stay busy
-    backend = InlineBackend(settings)
+    settings = serve_settings(pair[0], pair[1], cache_dir="none", max_active=1, max_queue=1, env={})
+    backend = InlineBackend(settings, RoundDelay(0.02))  # slow rounds: the busy ones stay busy
     srv = Server(backend, "127.0.0.1", 0, max_message_bytes=64 << 10, max_streams=8)
     try:
         srv.ready(120)

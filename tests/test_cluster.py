@@ -209,7 +209,7 @@ def test_store_layout_and_service_roundtrip(tmp_path):
 
 def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
     from sanctum.serving.errors import InvalidRequest, QueueFull
-    from sanctum.serving.inline import InlineBackend
+    from sanctum.serving.inline import InlineBackend, RoundDelay
     from sanctum.serving.requests import GenerateRequest
     from sanctum.settings import serve_settings
 
@@ -217,7 +217,7 @@ def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
     # 20 ms per round: greedy runs of the tiny pair hit EOS after 46-850 tokens, and the
     # "long" requests below must still be running when the queue is checked
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
-                                           max_queue=1, round_delay_ms=20, env={}))  # fmt: skip
+                                           max_queue=1, env={}), RoundDelay(0.02))  # fmt: skip
     try:
         backend.ready(60)
         sched = backend.scheduler
@@ -269,12 +269,12 @@ def test_queue_full_message_counts_what_stats_count(pair):
     """Issue 12: RESOURCE_EXHAUSTED said "0 requests decoding and 71 waiting" while 8 decoded: it
     left out requests being opened or prefilled. Now it gives the figures stats gives."""
     from sanctum.serving.errors import QueueFull
-    from sanctum.serving.inline import InlineBackend
+    from sanctum.serving.inline import InlineBackend, RoundDelay
     from sanctum.serving.requests import GenerateRequest
     from sanctum.settings import serve_settings
 
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
-                                           max_queue=1, round_delay_ms=20, env={}))  # fmt: skip
+                                           max_queue=1, env={}), RoundDelay(0.02))  # fmt: skip
     try:
         backend.ready(60)
         sched = backend.scheduler
@@ -305,14 +305,14 @@ def test_event_socket_streams_requests_and_cancels_orphans(pair, engine):
     from sanctum.cluster.events import EventClient, EventServer
     from sanctum.cluster.transport import ChannelBroken
     from sanctum.serving.errors import InvalidRequest
-    from sanctum.serving.inline import InlineBackend
+    from sanctum.serving.inline import InlineBackend, RoundDelay
     from sanctum.serving.requests import GenerateRequest
     from sanctum.settings import serve_settings
     from sanctum.wire.convert import chunk_from_proto, request_from_proto, request_to_proto
 
     _, _, reference = engine
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none",
-                                           round_delay_ms=20, env={}))  # fmt: skip
+                                           env={}), RoundDelay(0.02))  # fmt: skip
     server = None
     try:
         backend.ready(60)
@@ -439,12 +439,12 @@ def test_no_request_stalls_the_others(pair, engine):
     prefilled in slices, and the stream's worst gap between chunks stays well under a second (before: the
     15 MB prompt was tokenized on the model's thread, a stall of many seconds)."""
     from sanctum.serving.errors import InvalidRequest
-    from sanctum.serving.inline import InlineBackend
+    from sanctum.serving.inline import InlineBackend, RoundDelay
     from sanctum.serving.requests import GenerateRequest
     from sanctum.settings import serve_settings
 
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=4,
-                                           round_delay_ms=5, env={}))  # fmt: skip
+                                           env={}), RoundDelay(0.005))  # fmt: skip
     try:
         backend.ready(60)
         sched = backend.scheduler

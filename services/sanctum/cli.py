@@ -7,15 +7,7 @@ import json
 import sys
 import time
 
-
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="target checkpoint dir or hub id (default: the embedded pair)")
-    p.add_argument(
-        "--drafter", help="drafter checkpoint dir or hub id, or 'none' for plain decoding"
-    )
-    p.add_argument("--block-size", type=int, help="draft block size (default: drafter config)")
-    p.add_argument("--bits", type=int, help="quantize the drafter at load (4, 8; 0 = none)")
-    p.add_argument("--kv", choices=("fp16", "q8"), help="attention KV cache format")
+from .settings import add_model_flags
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -27,24 +19,11 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
 
 
-def _load_local(args):
-    from .engine.drafter import load_drafter
-    from .engine.target import load_target
-    from .settings import engine_settings
-
-    settings = engine_settings(args.model, args.drafter, args.block_size, args.bits, args.kv)
-    target = load_target(settings.model)
-    drafter = None
-    if settings.drafter:
-        drafter = load_drafter(
-            settings.drafter, target, block_size=settings.block_size, bits=settings.drafter_bits
-        )
-    return settings, target, drafter
-
-
 def cmd_generate(args) -> int:
     from .engine.sampling import SamplingParams
     from .engine.speculative import generate
+    from .serving.inline import load_models
+    from .settings import engine_settings, model_flags
     from .tokenizer import TextStream
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
@@ -53,7 +32,8 @@ def cmd_generate(args) -> int:
 
         result = generate_remote(args.server, args, sampling)
     else:
-        settings, target, drafter = _load_local(args)
+        settings = engine_settings(**model_flags(args))
+        target, drafter = load_models(settings)
         prompt_ids = target.tokenizer.encode(args.prompt, add_special_tokens=False)
         stream = TextStream(target.tokenizer, args.stop)
         t0 = time.perf_counter()
@@ -143,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a completion (locally, or from a server)")
-    _add_model_flags(g)
+    add_model_flags(g)
     _add_sampling_flags(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--json", action="store_true", help="print one JSON object")

@@ -1,38 +1,78 @@
-"""Settings: one frozen dataclass per role, built in one place from defaults < environment < flags.
+"""Settings: one frozen dataclass per role, built in one place: defaults < environment < flags.
 
-Environment keys keep the seed's names (SANCTUM_MLX_DFLASH2_DIR, SANCTUM_MLX_DFLASH2_BLOCK,
-SANCTUM_MLX_DFLASH2_BITS, SANCTUM_MLX_SSM_LADDER) plus SANCTUM_MODEL, SANCTUM_KV, SANCTUM_HOST,
-SANCTUM_PORT, SANCTUM_CACHE_BYTES, SANCTUM_CACHE_DIR and SANCTUM_HOME; the front end's access
-(SANCTUM_AUTH_TOKEN_FILE, SANCTUM_TLS_CERT, SANCTUM_TLS_KEY, SANCTUM_TLS_CLIENT_CA) and connection
-limits (SANCTUM_KEEPALIVE_S, SANCTUM_CONNECTION_IDLE_S, SANCTUM_CONNECTION_AGE_S,
-SANCTUM_STREAM_IDLE_S, SANCTUM_SLOW_CLIENT_S, SANCTUM_STREAMS_PER_CONNECTION,
-SANCTUM_MAX_CONNECTIONS).
+Every environment variable that sanctum's serving side reads is read here, once, by the builder
+of the settings it belongs to (`engine_settings`, `cache_settings`, `server_settings`,
+`serve_settings`, `client_token`); everything else takes what these built, and a role process
+gets its settings from the front end, not from its own environment. A field names its variable
+(`var("SANCTUM_KV", ...)`) and `read` fills a dataclass: a flag that is not None, else the
+variable when set and not empty, else the field's default. Names keep the seed's
+(SANCTUM_MLX_DFLASH2_DIR, SANCTUM_MLX_DFLASH2_BLOCK, SANCTUM_MLX_DFLASH2_BITS,
+SANCTUM_MLX_SSM_LADDER); README's configuration table lists them all.
+
+Read elsewhere, on purpose: engine/cuda.py's device switches (SANCTUM_Q8_ATTENTION,
+SANCTUM_GDN_KERNEL), decided once when the engine loads; cli.py's OpenBLAS re-exec
+(SANCTUM_NO_OPENBLAS, LD_PRELOAD), before anything else is imported.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_PAIR = ASSETS / "default"  # the trained pair shipped in the package, when present
 # OpenBLAS idle workers spin 2^28 cycles (~0.1 s) after a call by default; 2^4: sleep at once,
-# leaving the core to the other role process while this one waits (cli.py, cluster/actors.py)
+# leaving the core to the other role process while this one waits (cli.py, cluster/backend.py)
 OPENBLAS_IDLE_SPIN = "4"
+ROLES = ("verifier", "drafter", "store")
+TRANSPORTS = ("auto", "shm", "object_store")
+Env = Mapping[str, str]
 
 
-def sanctum_home() -> Path:
-    return Path(os.environ.get("SANCTUM_HOME", Path.home() / ".cache" / "sanctum"))
+# ---- reading ---------------------------------------------------------------------------------
 
 
-def default_pair() -> tuple[Path, Path]:
+def var(name: str, default=None, parse: Callable[[str], object] = str):
+    """A settings field that environment variable `name` sets (parsed by `parse`)."""
+    return field(default=default, metadata={"env": name, "parse": parse})
+
+
+def _parse(name: str, raw: str, parse: Callable[[str], object]):
+    try:
+        return parse(raw)
+    except ValueError:
+        what = {int: "an integer", float: "a number"}.get(parse, "valid")
+        raise ValueError(f"{name}={raw!r} is not {what}") from None
+
+
+def read(cls, env: Env, **flags):
+    """`cls` from `flags` (None: not given), else its fields' environment variables, else the
+    fields' defaults."""
+    values = {}
+    for f in fields(cls):
+        name = f.metadata.get("env")
+        if flags.get(f.name) is not None:
+            values[f.name] = flags[f.name]
+        elif name is not None and env.get(name) not in (None, ""):
+            values[f.name] = _parse(name, env[name], f.metadata["parse"])
+    return cls(**values)
+
+
+def sanctum_home(env: Env = os.environ) -> Path:
+    """Where sanctum keeps what it makes (tiny pairs, seed checkpoints, the prompt cache)."""
+    return Path(env.get("SANCTUM_HOME") or Path.home() / ".cache" / "sanctum")
+
+
+def default_pair(env: Env = os.environ) -> tuple[Path, Path]:
     """(target, drafter) used when no model is named: the shipped trained pair, or else a tiny
     random pair made on first use (what `make setup` also makes)."""
     if (DEFAULT_PAIR / "target" / "config.json").is_file():
         return DEFAULT_PAIR / "target", DEFAULT_PAIR / "drafter"
-    tiny = sanctum_home() / "tiny"
+    tiny = sanctum_home(env) / "tiny"
     if not (tiny / "drafter" / "config.json").is_file():
         from .tiny import make_tiny
 
@@ -40,44 +80,67 @@ def default_pair() -> tuple[Path, Path]:
     return tiny / "target", tiny / "drafter"
 
 
-def _env_int(env, key: str, default: int | None) -> int | None:
-    raw = env.get(key)
-    if raw in (None, ""):
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{key}={raw!r} is not an integer") from None
+# ---- the engine and the prompt cache ---------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     """What the verifier and drafter roles load."""
 
-    model: str
-    drafter: str | None  # None: plain decoding
-    block_size: int | None  # None: the drafter config's
-    drafter_bits: int  # 0: unquantized
-    kv_mode: str  # "fp16" | "q8"
+    model: str = var("SANCTUM_MODEL")  # target checkpoint dir or cached hub id
+    drafter: str | None = var("SANCTUM_MLX_DFLASH2_DIR")  # None: plain decoding
+    block_size: int | None = var("SANCTUM_MLX_DFLASH2_BLOCK", None, int)  # None: drafter config's
+    drafter_bits: int = var("SANCTUM_MLX_DFLASH2_BITS", 0, int)  # 0: unquantized
+    kv_mode: str = var("SANCTUM_KV", "fp16")  # engine/target.py KV_MODES
 
 
 @dataclass(frozen=True)
 class CacheSettings:
     """The prompt cache / ladder store."""
 
-    ladder_depth: int
-    max_bytes: int
-    directory: str | None
+    ladder_depth: int = var("SANCTUM_MLX_SSM_LADDER", 4, int)
+    max_bytes: int = var("SANCTUM_CACHE_BYTES", 2 << 30, int)
+    directory: str | None = var("SANCTUM_CACHE_DIR")  # None: in memory only
 
 
-def _env_float(env, key: str, default: float) -> float:
-    raw = env.get(key)
-    if raw in (None, ""):
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{key}={raw!r} is not a number") from None
+def engine_settings(
+    model: str | None = None,
+    drafter: str | None = None,
+    block_size: int | None = None,
+    bits: int | None = None,
+    kv_mode: str | None = None,
+    env: Env = os.environ,
+) -> EngineSettings:
+    """Flags (non-None arguments) override the environment, which overrides defaults.
+    `drafter="none"` turns speculation off; no model: the default pair (its drafter too)."""
+    from .engine.target import KV_MODES
+
+    s = read(EngineSettings, env, model=model, drafter=drafter, block_size=block_size,
+             drafter_bits=bits, kv_mode=kv_mode)  # fmt: skip
+    if s.model is None:
+        default_target, default_drafter = default_pair(env)
+        s = replace(s, model=str(default_target), drafter=s.drafter or str(default_drafter))
+    if s.drafter in ("none", ""):
+        s = replace(s, drafter=None)
+    if s.drafter_bits == 16:
+        s = replace(s, drafter_bits=0)
+    if s.kv_mode not in KV_MODES:
+        raise ValueError(f"kv mode must be fp16 or q8, got {s.kv_mode!r}")
+    if s.block_size is not None and s.block_size < 2:
+        raise ValueError(f"block size must be >= 2, got {s.block_size}")
+    return s
+
+
+def cache_settings(
+    ladder: int | None = None,
+    max_bytes: int | None = None,
+    directory: str | None = None,
+    env: Env = os.environ,
+) -> CacheSettings:
+    return read(CacheSettings, env, ladder_depth=ladder, max_bytes=max_bytes, directory=directory)
+
+
+# ---- the front end ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -86,15 +149,20 @@ class ConnectionLimits:
     request streams, enforced in api/guard.py). Long enough for any generation: a 4096-token
     stream takes minutes at worst; a Health.Watch is cut at the age limit and re-opened."""
 
-    keepalive_s: float = 60.0  # ping a quiet connection this often ...
+    keepalive_s: float = var("SANCTUM_KEEPALIVE_S", 60.0, float)  # ping a quiet connection ...
     keepalive_timeout_s: float = 20.0  # ... and drop it when the ping goes unanswered
-    connection_idle_s: float = 300.0  # a connection without any RPC for this long is closed
-    connection_age_s: float = 1800.0  # then asked to reconnect (GOAWAY) ...
+    # a connection without any RPC for this long is closed
+    connection_idle_s: float = var("SANCTUM_CONNECTION_IDLE_S", 300.0, float)
+    # then asked to reconnect (GOAWAY) ...
+    connection_age_s: float = var("SANCTUM_CONNECTION_AGE_S", 1800.0, float)
     connection_age_grace_s: float = 600.0  # ... and closed this long after, RPCs or not
-    stream_idle_s: float = 30.0  # a request stream (reflection) without a message: closed
-    slow_client_s: float = 30.0  # a response stream whose client takes nothing: closed
-    streams_per_connection: int = 100  # HTTP/2 MAX_CONCURRENT_STREAMS: the bound per client
-    max_connections: int = 1000
+    # a request stream (reflection) without a message: closed
+    stream_idle_s: float = var("SANCTUM_STREAM_IDLE_S", 30.0, float)
+    # a response stream whose client takes nothing: closed
+    slow_client_s: float = var("SANCTUM_SLOW_CLIENT_S", 30.0, float)
+    # HTTP/2 MAX_CONCURRENT_STREAMS: the bound per client
+    streams_per_connection: int = var("SANCTUM_STREAMS_PER_CONNECTION", 100, int)
+    max_connections: int = var("SANCTUM_MAX_CONNECTIONS", 1000, int)
 
     def grpc_options(self) -> list[tuple[str, int]]:
         ms = lambda s: int(s * 1000)
@@ -109,74 +177,18 @@ class ConnectionLimits:
         ]
 
 
-def connection_limits(env=os.environ) -> ConnectionLimits:
-    d = ConnectionLimits()
-    return ConnectionLimits(
-        keepalive_s=_env_float(env, "SANCTUM_KEEPALIVE_S", d.keepalive_s),
-        keepalive_timeout_s=d.keepalive_timeout_s,
-        connection_idle_s=_env_float(env, "SANCTUM_CONNECTION_IDLE_S", d.connection_idle_s),
-        connection_age_s=_env_float(env, "SANCTUM_CONNECTION_AGE_S", d.connection_age_s),
-        connection_age_grace_s=d.connection_age_grace_s,
-        stream_idle_s=_env_float(env, "SANCTUM_STREAM_IDLE_S", d.stream_idle_s),
-        slow_client_s=_env_float(env, "SANCTUM_SLOW_CLIENT_S", d.slow_client_s),
-        streams_per_connection=_env_int(env, "SANCTUM_STREAMS_PER_CONNECTION",
-                                        d.streams_per_connection),
-        max_connections=_env_int(env, "SANCTUM_MAX_CONNECTIONS", d.max_connections),
-    )  # fmt: skip
-
-
 @dataclass(frozen=True)
 class ServerSettings:
-    host: str
-    port: int
-    max_queue: int
-    max_message_bytes: int
-    auth_token_file: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
+    """The gRPC front end: where it listens, who may call, how large a message may be."""
+
+    host: str = var("SANCTUM_HOST", "127.0.0.1")
+    port: int = var("SANCTUM_PORT", 1337, int)
+    max_message_bytes: int = var("SANCTUM_MAX_MESSAGE_BYTES", 16 << 20, int)
+    auth_token_file: str | None = var("SANCTUM_AUTH_TOKEN_FILE")
+    tls_cert: str | None = var("SANCTUM_TLS_CERT")
+    tls_key: str | None = var("SANCTUM_TLS_KEY")
+    tls_client_ca: str | None = var("SANCTUM_TLS_CLIENT_CA")
     limits: ConnectionLimits = ConnectionLimits()
-
-
-def engine_settings(
-    model: str | None = None,
-    drafter: str | None = None,
-    block_size: int | None = None,
-    bits: int | None = None,
-    kv_mode: str | None = None,
-    env=os.environ,
-) -> EngineSettings:
-    """Flags (non-None arguments) override the environment, which overrides defaults.
-    `drafter="none"` turns speculation off."""
-    model = model or env.get("SANCTUM_MODEL")
-    drafter = drafter or env.get("SANCTUM_MLX_DFLASH2_DIR")
-    if model is None:
-        default_target, default_drafter = default_pair()
-        model = str(default_target)
-        drafter = drafter or str(default_drafter)
-    if drafter in ("none", ""):
-        drafter = None
-    block = (
-        block_size if block_size is not None else _env_int(env, "SANCTUM_MLX_DFLASH2_BLOCK", None)
-    )
-    bits = bits if bits is not None else _env_int(env, "SANCTUM_MLX_DFLASH2_BITS", 0)
-    kv = kv_mode or env.get("SANCTUM_KV", "fp16")
-    if kv not in ("fp16", "q8"):
-        raise ValueError(f"kv mode must be fp16 or q8, got {kv!r}")
-    if block is not None and block < 2:
-        raise ValueError(f"block size must be >= 2, got {block}")
-    return EngineSettings(model, drafter, block, 0 if bits in (0, 16) else bits, kv)
-
-
-def cache_settings(
-    ladder: int | None = None,
-    max_bytes: int | None = None,
-    directory: str | None = None,
-    env=os.environ,
-) -> CacheSettings:
-    depth = ladder if ladder is not None else _env_int(env, "SANCTUM_MLX_SSM_LADDER", 4)
-    size = max_bytes if max_bytes is not None else _env_int(env, "SANCTUM_CACHE_BYTES", 2 << 30)
-    return CacheSettings(depth, size, directory or env.get("SANCTUM_CACHE_DIR") or None)
 
 
 def server_settings(
@@ -186,22 +198,42 @@ def server_settings(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     tls_client_ca: str | None = None,
-    env=os.environ,
+    env: Env = os.environ,
 ) -> ServerSettings:
-    return ServerSettings(
-        host=host or env.get("SANCTUM_HOST", "127.0.0.1"),
-        port=port if port is not None else _env_int(env, "SANCTUM_PORT", 1337),
-        max_queue=_env_int(env, "SANCTUM_MAX_QUEUE", 64),
-        max_message_bytes=_env_int(env, "SANCTUM_MAX_MESSAGE_BYTES", 16 << 20),
-        auth_token_file=auth_token_file or env.get("SANCTUM_AUTH_TOKEN_FILE") or None,
-        tls_cert=tls_cert or env.get("SANCTUM_TLS_CERT") or None,
-        tls_key=tls_key or env.get("SANCTUM_TLS_KEY") or None,
-        tls_client_ca=tls_client_ca or env.get("SANCTUM_TLS_CLIENT_CA") or None,
-        limits=connection_limits(env),
-    )
+    return read(ServerSettings, env, host=host or None, port=port,
+                auth_token_file=auth_token_file or None, tls_cert=tls_cert or None,
+                tls_key=tls_key or None, tls_client_ca=tls_client_ca or None,
+                limits=read(ConnectionLimits, env))  # fmt: skip
 
 
-ROLES = ("verifier", "drafter", "store")
+def client_token(token: str | None = None, env: Env = os.environ) -> str | None:
+    """The bearer token a client sends: `token`, else SANCTUM_AUTH_TOKEN, else the contents of
+    SANCTUM_AUTH_TOKEN_FILE (the file the server reads its token from), else none."""
+    if token:
+        return token.strip()
+    if env.get("SANCTUM_AUTH_TOKEN"):
+        return env["SANCTUM_AUTH_TOKEN"].strip()
+    if env.get("SANCTUM_AUTH_TOKEN_FILE"):
+        return Path(env["SANCTUM_AUTH_TOKEN_FILE"]).read_text().strip() or None
+    return None
+
+
+# ---- the roles -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoleProcesses:
+    """How the role processes run: read where `sanctum serve` starts, applied in each actor."""
+
+    log_level: str = var("SANCTUM_LOG", "INFO")
+    # Python's GIL switch interval in the actors (None: Python's 5 ms)
+    switch_interval_s: float | None = var("SANCTUM_SWITCH_INTERVAL_S", None, float)
+    # BLAS threads of the verifier and the drafter (None: the CPUs this process may use)
+    verifier_threads: str | None = var("OMP_NUM_THREADS")
+    drafter_threads: str | None = var("SANCTUM_DRAFTER_THREADS")
+    blas_thread_timeout: str = var("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_IDLE_SPIN)
+    ray_address: str | None = var("RAY_ADDRESS")  # None: a local cluster on loopback
+    object_store_bytes: int | None = var("SANCTUM_OBJECT_STORE_BYTES", None, int)  # local one
 
 
 @dataclass(frozen=True)
@@ -210,45 +242,89 @@ class ServeSettings:
 
     engine: EngineSettings
     cache: CacheSettings
-    max_active: int = 8  # requests interleaved round by round
-    max_queue: int = 64  # more requests may wait; beyond that RESOURCE_EXHAUSTED
+    max_active: int = var("SANCTUM_MAX_ACTIVE", 8, int)  # requests interleaved round by round
+    max_queue: int = var("SANCTUM_MAX_QUEUE", 64, int)  # may wait more; then RESOURCE_EXHAUSTED
     max_tokens_limit: int = 4096
-    transport: str = "auto"  # drafter + events paths: auto (by Ray node) | shm | object_store
-    round_delay_s: float = 0.0  # benchmark/test knob: a slower target (a wait in every forward)
-    round_delay_busy: bool = False  # the wait keeps the core busy (benchmarks) or sleeps (tests)
+    # prompt tokens prefilled before the other requests get their next round, fewer if they
+    # would take longer than prefill_slice_ms (serving/scheduler.py)
+    prefill_slice: int = var("SANCTUM_PREFILL_SLICE", 512, int)
+    prefill_slice_ms: float = var("SANCTUM_PREFILL_SLICE_MS", 250.0, float)
+    # drafter + events paths: auto (by Ray node) | shm | object_store
+    transport: str = var("SANCTUM_TRANSPORT", "auto")
     resources: dict = field(default_factory=dict)  # role -> Ray custom resources (placement)
+    processes: RoleProcesses = RoleProcesses()
+
+
+def _json(what: str, raw: str | dict) -> dict:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        raise ValueError(f"{what} is not JSON: {raw!r}") from None
 
 
 def serve_settings(
-    model=None, drafter=None, block_size=None, bits=None, kv_mode=None, ladder=None,
-    cache_bytes=None, cache_dir=None, max_active=None, max_queue=None, transport=None,
-    resources=None, round_delay_ms=0.0, round_delay_busy=False, env=os.environ,
-) -> ServeSettings:  # fmt: skip
-    """Flags (non-None) over environment over defaults. The prompt cache persists in
-    SANCTUM_HOME/prompt-cache unless a directory (or "none") is given."""
+    model: str | None = None,
+    drafter: str | None = None,
+    *,
+    block_size: int | None = None,
+    bits: int | None = None,
+    kv_mode: str | None = None,
+    ladder: int | None = None,
+    cache_bytes: int | None = None,
+    cache_dir: str | None = None,
+    max_active: int | None = None,
+    max_queue: int | None = None,
+    transport: str | None = None,
+    resources: Mapping[str, str | dict | None] | None = None,
+    env: Env = os.environ,
+) -> ServeSettings:
+    """The `sanctum serve` flags (None: not given) over the environment over defaults. The
+    prompt cache persists in SANCTUM_HOME/prompt-cache unless a directory (or "none") is given;
+    `resources` maps a role to its Ray resources (JSON, as `--drafter-resources` takes them)."""
     engine = engine_settings(model, drafter, block_size, bits, kv_mode, env=env)
     cache = cache_settings(ladder, cache_bytes, cache_dir, env=env)
     if cache.directory is None:
-        cache = CacheSettings(
-            cache.ladder_depth, cache.max_bytes, str(sanctum_home() / "prompt-cache")
-        )
+        cache = replace(cache, directory=str(sanctum_home(env) / "prompt-cache"))
     elif cache.directory == "none":
-        cache = CacheSettings(cache.ladder_depth, cache.max_bytes, None)
-    res = dict(resources or {})
+        cache = replace(cache, directory=None)
+    placed = {}
     for role in ROLES:
-        raw = env.get(f"SANCTUM_{role.upper()}_RESOURCES")
-        if raw and role not in res:
-            try:
-                res[role] = json.loads(raw)
-            except json.JSONDecodeError:
-                raise ValueError(f"SANCTUM_{role.upper()}_RESOURCES is not JSON: {raw!r}") from None
-    transport = transport or env.get("SANCTUM_TRANSPORT", "auto")
-    if transport not in ("auto", "shm", "object_store"):
-        raise ValueError(f"transport must be auto, shm or object_store, got {transport!r}")
-    return ServeSettings(
-        engine, cache,
-        max_active=max_active or int(env.get("SANCTUM_MAX_ACTIVE", 8)),
-        max_queue=max_queue if max_queue is not None else int(env.get("SANCTUM_MAX_QUEUE", 64)),
-        transport=transport, round_delay_s=(round_delay_ms or 0.0) / 1000.0,
-        round_delay_busy=round_delay_busy, resources=res,
-    )  # fmt: skip
+        flag, name = (resources or {}).get(role), f"SANCTUM_{role.upper()}_RESOURCES"
+        if flag:
+            placed[role] = _json(f"--{role}-resources", flag)
+        elif env.get(name):
+            placed[role] = _json(name, env[name])
+    s = read(ServeSettings, env, engine=engine, cache=cache, max_active=max_active or None,
+             max_queue=max_queue, transport=transport, resources=placed,
+             processes=read(RoleProcesses, env))  # fmt: skip
+    if s.transport not in TRANSPORTS:
+        raise ValueError(f"transport must be auto, shm or object_store, got {s.transport!r}")
+    return s
+
+
+# ---- flags -----------------------------------------------------------------------------------
+
+
+# the engine settings' flags: `engine_settings` argument -> command-line option
+MODEL_FLAGS = {"model": "--model", "drafter": "--drafter", "block_size": "--block-size",
+               "bits": "--bits", "kv_mode": "--kv"}  # fmt: skip
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """--model, --drafter, --block-size, --bits, --kv: the engine settings' flags."""
+    p.add_argument("--model", help="target checkpoint dir or hub id (default: the embedded pair)")
+    p.add_argument(
+        "--drafter", help="drafter checkpoint dir or hub id, or 'none' for plain decoding"
+    )
+    p.add_argument("--block-size", type=int, help="draft block size (default: drafter config)")
+    p.add_argument("--bits", type=int, help="quantize the drafter at load (4, 8; 0 = none)")
+    from .engine.target import KV_MODES
+
+    p.add_argument("--kv", dest="kv_mode", choices=KV_MODES, help="attention KV cache format")
+
+
+def model_flags(args: argparse.Namespace) -> dict:
+    """The engine flags of parsed arguments, as `engine_settings` and `serve_settings` take them."""
+    return {name: getattr(args, name, None) for name in MODEL_FLAGS}

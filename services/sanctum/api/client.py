@@ -13,7 +13,6 @@ TLS: `tls_ca` (PEM bytes or a path; None with `tls=True`: the system's roots) ve
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ..settings import client_token
 from ..wire.convert import round_of
 from ..wire.gen import inference_pb2 as pb
 from ..wire.gen import inference_pb2_grpc as pb_grpc
@@ -59,17 +59,6 @@ def make_request(
         if value is not None:
             setattr(req, name, value)
     return req
-
-
-def resolve_token(token: str | None = None, env=os.environ) -> str | None:
-    """The bearer token to send: `token`, else SANCTUM_AUTH_TOKEN, else SANCTUM_AUTH_TOKEN_FILE's."""
-    if token:
-        return token.strip()
-    if env.get("SANCTUM_AUTH_TOKEN"):
-        return env["SANCTUM_AUTH_TOKEN"].strip()
-    if env.get("SANCTUM_AUTH_TOKEN_FILE"):
-        return Path(env["SANCTUM_AUTH_TOKEN_FILE"]).read_text().strip() or None
-    return None
 
 
 def _pem(value: bytes | str | None) -> bytes | None:
@@ -126,7 +115,7 @@ class Client:
             self.channel = grpc.secure_channel(target, creds, options=opts)
         else:
             self.channel = grpc.insecure_channel(target, options=opts)
-        token = resolve_token(token)
+        token = client_token(token)
         if token:
             self.channel = grpc.intercept_channel(self.channel, _BearerToken(token))
         self.stub = pb_grpc.InferenceStub(self.channel)

@@ -4,7 +4,6 @@ on loopback, drain). grpc and Ray are imported when the command runs."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 log = logging.getLogger("sanctum.api")
@@ -12,10 +11,10 @@ log = logging.getLogger("sanctum.api")
 
 def register(sub) -> None:
     """`sanctum serve`."""
-    from ..cli import _add_model_flags
+    from ..settings import add_model_flags
 
     s = sub.add_parser("serve", help="serve gRPC (sanctum.v1.Inference) from the actor cluster")
-    _add_model_flags(s)
+    add_model_flags(s)
     s.add_argument("--host", help="listen address (default SANCTUM_HOST or 127.0.0.1)")
     s.add_argument("--port", type=int, help="listen port (default SANCTUM_PORT or 1337)")
     s.add_argument("--inline", action="store_true", help="run the roles in this process (no Ray)")
@@ -60,22 +59,18 @@ def register(sub) -> None:
 
 
 def cmd_serve(args) -> int:
-    import json
+    from ..settings import ROLES, model_flags, serve_settings, server_settings
 
-    from ..settings import serve_settings, server_settings
-
-    resources = {}
-    for role in ("verifier", "drafter", "store"):
-        raw = getattr(args, f"{role}_resources")
-        if raw:
-            try:
-                resources[role] = json.loads(raw)
-            except json.JSONDecodeError:
-                raise ValueError(f"--{role}-resources is not JSON: {raw!r}") from None
     settings = serve_settings(
-        args.model, args.drafter, args.block_size, args.bits, args.kv, args.ladder, args.cache_bytes,
-        args.cache_dir, args.max_active, args.max_queue, args.transport, resources,
-    )  # fmt: skip
+        **model_flags(args),
+        ladder=args.ladder,
+        cache_bytes=args.cache_bytes,
+        cache_dir=args.cache_dir,
+        max_active=args.max_active,
+        max_queue=args.max_queue,
+        transport=args.transport,
+        resources={role: getattr(args, f"{role}_resources") for role in ROLES},
+    )
     net = server_settings(args.host, args.port, args.auth_token_file, args.tls_cert,
                           args.tls_key, args.tls_client_ca)  # fmt: skip
     return serve(settings, net, args.inline, args.drain_timeout)
@@ -92,7 +87,7 @@ def serve(settings, net, inline: bool = False, drain_timeout: float = 30.0) -> i
     from .guard import Access, check_exposure
     from .server import Server
 
-    logging.basicConfig(level=os.environ.get("SANCTUM_LOG", "INFO"),
+    logging.basicConfig(level=settings.processes.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     access = Access.from_files(net.auth_token_file, net.tls_cert, net.tls_key, net.tls_client_ca)
     check_exposure(net.host, access)
@@ -106,12 +101,12 @@ def serve(settings, net, inline: bool = False, drain_timeout: float = 30.0) -> i
     on_signals()
     ray_started = False
     if not inline:
-        address = os.environ.get("RAY_ADDRESS") or None
+        address = settings.processes.ray_address
         from ..cluster.localray import init_local_ray
 
         local = {}
-        if not address and os.environ.get("SANCTUM_OBJECT_STORE_BYTES"):
-            local["object_store_memory"] = int(os.environ["SANCTUM_OBJECT_STORE_BYTES"])
+        if not address and settings.processes.object_store_bytes:
+            local["object_store_memory"] = settings.processes.object_store_bytes
         # before the gRPC server starts: Ray forks its processes, gRPC prefers no fork after start
         if address:
             import ray

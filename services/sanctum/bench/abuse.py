@@ -27,10 +27,12 @@ import tempfile
 import threading
 import time
 
+from ..settings import MODEL_FLAGS, add_model_flags, model_flags
+
 NORMAL_PROMPT = "def fibonacci(n):"
 
 
-def add_parser(bsub, add_model_flags) -> None:
+def add_parser(bsub) -> None:
     p = bsub.add_parser("abuse", help="a normal stream's worst gap while abusive clients hammer")
     add_model_flags(p)
     p.add_argument("--server", help="HOST:PORT of a running server (default: start one)")
@@ -67,9 +69,9 @@ class _started_server:
                    SANCTUM_STREAM_IDLE_S=str(self.args.stream_idle_s))  # fmt: skip
         cmd = [sys.executable, "-m", "sanctum.cli", "serve", "--port", str(port),
                "--cache-dir", "none", *(["--inline"] if self.args.inline else [])]  # fmt: skip
-        for flag in ("model", "drafter", "block_size", "bits", "kv"):
-            if getattr(self.args, flag, None) is not None:
-                cmd += [f"--{flag.replace('_', '-')}", str(getattr(self.args, flag))]
+        for name, value in model_flags(self.args).items():
+            if value is not None:
+                cmd += [MODEL_FLAGS[name], str(value)]
         self.log = open(os.path.join(self.home.name, "serve.log"), "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         address = f"127.0.0.1:{port}"

@@ -11,30 +11,30 @@ from .multiturn import multiturn, reencode
 
 def register(sub) -> None:
     """`sanctum bench ...` subcommands."""
-    from ..cli import _add_model_flags
+    from ..settings import add_model_flags
 
     b = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = b.add_subparsers(dest="bench", required=True)
     s = bsub.add_parser("speculative", help="plain vs speculative tok/s, tau, round time split")
-    _add_model_flags(s)
+    add_model_flags(s)
     s.add_argument("--prompt", default="def fibonacci(n):")
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--json", action="store_true")
     m = bsub.add_parser("multiturn", help="prompt-cache hit ratio and warm/cold TTFT per turn")
-    _add_model_flags(m)
+    add_model_flags(m)
     m.add_argument("--turns", type=int, default=8)
     m.add_argument("--max-tokens", type=int, default=48)
     m.add_argument("--ladder", type=int, help="ladder depth (default SANCTUM_MLX_SSM_LADDER or 4)")
     m.add_argument("--json", action="store_true")
     from .isolation import add_parser as add_isolation
 
-    add_isolation(bsub, _add_model_flags)
+    add_isolation(bsub)
     from .abuse import add_parser as add_abuse
 
-    add_abuse(bsub, _add_model_flags)
+    add_abuse(bsub)
     t = bsub.add_parser("tau", help="tau and speculative/plain tok/s per context length")
-    _add_model_flags(t)
+    add_model_flags(t)
     t.add_argument("--contexts", default="0,1024,2048,4096",
                    help="tokens of held-out text before each prompt")  # fmt: skip
     t.add_argument("--block-sizes", default="8,16")

@@ -34,9 +34,11 @@ def _tau(rounds) -> float:
 
 def speculative(args) -> dict:
     """Plain vs speculative greedy decode of the same prompt; EOS ignored so lengths match."""
-    from ..cli import _load_local
+    from ..serving.inline import load_models
+    from ..settings import engine_settings, model_flags
 
-    settings, target, drafter = _load_local(args)
+    settings = engine_settings(**model_flags(args))
+    target, drafter = load_models(settings)
     if drafter is None:
         raise ValueError("bench speculative needs a drafter")
     prompt_ids = target.tokenizer.encode(args.prompt, add_special_tokens=False)
@@ -111,10 +113,12 @@ def tau(args) -> list[dict]:
     max_tokens. Greedy speculative output is checked against plain greedy output."""
     from dataclasses import replace
 
-    from ..cli import _load_local
     from ..engine.sampling import SamplingParams
+    from ..serving.inline import load_models
+    from ..settings import engine_settings, model_flags
 
-    settings, target, drafter = _load_local(args)
+    settings = engine_settings(**model_flags(args))
+    target, drafter = load_models(settings)
     if drafter is None:
         raise ValueError("bench tau needs a drafter")
     contexts = [int(c) for c in args.contexts.split(",")]

@@ -19,6 +19,8 @@ import random
 import statistics
 import time
 
+from ..settings import add_model_flags
+
 DEFAULT_PROMPTS = (
     "def fibonacci(n):",
     "import os\nimport sys\n\ndef main():",
@@ -27,7 +29,7 @@ DEFAULT_PROMPTS = (
 )
 
 
-def add_parser(bsub, add_model_flags) -> None:
+def add_parser(bsub) -> None:
     p = bsub.add_parser(
         "isolation", help="actor cluster vs inline: tok/s, tax, transport per round"
     )
@@ -155,18 +157,17 @@ def run(args) -> dict:
 
     from ..cluster.backend import role_blas_threads, start_cluster, usable_cpus
     from ..cluster.localray import init_local_ray
-    from ..serving.inline import InlineBackend
-    from ..settings import serve_settings
+    from ..serving.inline import InlineBackend, RoundDelay
+    from ..settings import model_flags, serve_settings
 
-    settings = serve_settings(args.model, args.drafter, args.block_size, args.bits, args.kv,
-                              cache_dir="none", transport=args.transport,
-                              round_delay_ms=args.round_delay_ms, round_delay_busy=True)  # fmt: skip
+    settings = serve_settings(**model_flags(args), cache_dir="none", transport=args.transport)
+    delay = RoundDelay(args.round_delay_ms / 1000.0, busy=True) if args.round_delay_ms else None
     prompts = args.prompts or list(DEFAULT_PROMPTS)
-    inline = InlineBackend(settings)
+    inline = InlineBackend(settings, delay)
     inline.ready()
     init_local_ray(namespace=f"sanctum-bench-{os.getpid()}", log_to_driver=False)
     try:
-        cluster = start_cluster(settings)
+        cluster = start_cluster(settings, delay)
         cluster.ready(600)
         for backend in (inline, cluster):  # warm-up: compiled kernels, first-call costs
             for prompt in prompts:
@@ -225,7 +226,7 @@ def run(args) -> dict:
         "max_tokens": args.max_tokens,
         "round_delay_ms": args.round_delay_ms,
         "usable_cpus": usable_cpus(),  # the split needs cores: see deploy/README
-        "cluster_blas_threads": role_blas_threads(),
+        "cluster_blas_threads": role_blas_threads(settings.processes),
         "inline_tok_s": round(tok_s["inline"], 2),
         "cluster_tok_s": round(tok_s["cluster"], 2),
         "isolation_tax_pct": round(100.0 * (1.0 - tok_s["cluster"] / tok_s["inline"]), 2),

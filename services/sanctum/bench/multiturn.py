@@ -27,13 +27,14 @@ def multiturn(args) -> list[dict]:
     cache). Assistant replies go back into the history as generated, so the template's own
     rewriting (dropped <think> blocks) decides where the next prefix really ends."""
     from ..cache.store import PromptStore
-    from ..cli import _load_local
     from ..engine.speculative import LocalDraftPeer
+    from ..serving.inline import load_models
     from ..serving.requests import GenerateRequest
     from ..serving.verifier import Verifier
-    from ..settings import cache_settings
+    from ..settings import cache_settings, engine_settings, model_flags
 
-    settings, target, drafter = _load_local(args)
+    settings = engine_settings(**model_flags(args))
+    target, drafter = load_models(settings)
     cache = cache_settings(ladder=args.ladder)
     verifier = Verifier(target, drafter, LocalDraftPeer(drafter) if drafter else None,
                         PromptStore(cache.max_bytes), cache.ladder_depth, settings.kv_mode,

@@ -26,9 +26,9 @@ import time
 import numpy as np
 import ray
 
-from ..serving.inline import make_verifier, stats_message
+from ..serving.inline import RoundDelay, make_verifier, stats_message
 from ..serving.requests import Limits
-from ..settings import ServeSettings
+from ..settings import CacheSettings, RoleProcesses, ServeSettings
 from ..wire.convert import request_from_proto
 from ..wire.errors import error_event
 from ..wire.gen import roles_pb2 as roles
@@ -37,8 +37,8 @@ from .events import EventServer, ends, to_event
 log = logging.getLogger("sanctum.cluster")
 
 
-def _setup_process() -> None:
-    logging.basicConfig(level=os.environ.get("SANCTUM_LOG", "INFO"),
+def _setup_process(processes: RoleProcesses) -> None:
+    logging.basicConfig(level=processes.log_level,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     nice = os.getpriority(os.PRIO_PROCESS, 0)
     if nice > 0:
@@ -49,8 +49,8 @@ def _setup_process() -> None:
                         "RAY_worker_niceness=0 for full speed", nice)  # fmt: skip
     # Python's GIL switch interval (5 ms) unless told: 0.5 ms, the earlier default here, made the
     # tiny pair's isolation tax 0.5-3 points worse in three back-to-back pairs of runs
-    if os.environ.get("SANCTUM_SWITCH_INTERVAL_S"):
-        sys.setswitchinterval(float(os.environ["SANCTUM_SWITCH_INTERVAL_S"]))
+    if processes.switch_interval_s:
+        sys.setswitchinterval(processes.switch_interval_s)
 
 
 # ---- the actors ------------------------------------------------------------------------------
@@ -61,7 +61,7 @@ class DrafterActor:
     """The drafter body (no vocabulary-sized weights), serving rounds over shared memory."""
 
     def __init__(self, settings: ServeSettings, shape: tuple[int, int, int]):
-        _setup_process()
+        _setup_process(settings.processes)
         from ..engine.drafter import load_drafter
         from .drafter import DraftService
         from .transport import SocketServer
@@ -120,13 +120,14 @@ class DrafterActor:
 class StoreActor:
     """The ladder store; with a directory it reloads its entries after a restart."""
 
-    def __init__(self, max_bytes: int, directory: str | None):
-        _setup_process()
+    def __init__(self, cache: CacheSettings, processes: RoleProcesses):
+        _setup_process(processes)
         from ..cache.store import PromptStore
         from .store import StoreService
 
-        self.service = StoreService(PromptStore(max_bytes, directory))
-        log.info("ladder store: %d entries loaded from %s", len(self.service.store), directory)
+        self.service = StoreService(PromptStore(cache.max_bytes, cache.directory))
+        log.info("ladder store: %d entries loaded from %s", len(self.service.store),
+                 cache.directory)  # fmt: skip
 
     def ping(self) -> int:
         return os.getpid()
@@ -153,8 +154,14 @@ class StoreActor:
 class VerifierActor:
     """The target and its live sequences, scheduled round by round."""
 
-    def __init__(self, settings: ServeSettings, drafter_name: str | None, store_name: str | None):
-        _setup_process()
+    def __init__(
+        self,
+        settings: ServeSettings,
+        drafter_name: str | None,
+        store_name: str | None,
+        round_delay: RoundDelay | None = None,
+    ):
+        _setup_process(settings.processes)
         # peers by name, not handle: handles as constructor arguments live in the object store,
         # where a restart may no longer find them (ray-project/ray#53727)
         drafter = ray.get_actor(drafter_name) if drafter_name else None
@@ -176,10 +183,12 @@ class VerifierActor:
             return self.peer
 
         # the scheduler's thread loads the models and then owns MLX
-        self.scheduler = Scheduler(
-            lambda: make_verifier(settings, self.store, remote_peer if drafter is not None else None),
-            settings.max_active, settings.max_queue,
-        )  # fmt: skip
+        def load():
+            return make_verifier(
+                settings, self.store, remote_peer if drafter else None, round_delay
+            )
+
+        self.scheduler = Scheduler.for_settings(load, settings)
         self.scheduler.wait_ready()
         self.verifier = self.scheduler.verifier
         self.events = EventServer(self._submit, self.scheduler.cancel)

@@ -17,8 +17,9 @@ import uuid
 import ray
 
 from ..serving.errors import InternalError, Unavailable
+from ..serving.inline import RoundDelay
 from ..serving.requests import Limits
-from ..settings import OPENBLAS_IDLE_SPIN, ServeSettings
+from ..settings import RoleProcesses, ServeSettings
 from ..wire.convert import chunk_from_proto, request_to_proto
 from ..wire.errors import error_from_wire
 from ..wire.gen import inference_pb2 as pb
@@ -38,7 +39,7 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def role_blas_threads() -> dict[str, str]:
+def role_blas_threads(processes: RoleProcesses) -> dict[str, str]:
     """BLAS threads per role (the CPU backend). Ray pins OMP_NUM_THREADS to an actor's CPU count
     (1 for num_cpus=0), so it is set here. Verifier and drafter take turns (the verifier waits on
     each draft), so each gets what inline mode's one process uses: the CPUs it may run on, as
@@ -46,31 +47,30 @@ def role_blas_threads() -> dict[str, str]:
     16-core host (isolation tax 6.6-9.5% against 1.8% with 4 threads; deploy/README)."""
     usable = str(usable_cpus())
     return {
-        "verifier": os.environ.get("OMP_NUM_THREADS") or usable,
-        "drafter": os.environ.get("SANCTUM_DRAFTER_THREADS") or usable,
+        "verifier": processes.verifier_threads or usable,
+        "drafter": processes.drafter_threads or usable,
         "store": "1",
     }
 
 
-def start_cluster(settings: ServeSettings) -> ClusterBackend:
-    """Create the three actors on the connected Ray cluster (ray.init first)."""
+def start_cluster(settings: ServeSettings, round_delay: RoundDelay | None = None) -> ClusterBackend:
+    """Create the three actors on the connected Ray cluster (ray.init first); `round_delay`: a
+    slower target (benchmarks, tests)."""
     if not ray.is_initialized():
         raise RuntimeError("ray.init() first (a local cluster, or RAY_ADDRESS)")
-    threads = role_blas_threads()
+    threads = role_blas_threads(settings.processes)
 
     def opts(role: str, **kw) -> dict:
         res = settings.resources.get(role)
         env = {"env_vars": {"OMP_NUM_THREADS": threads[role]}}
         if role != "store":  # idle BLAS workers would hold a core through the other one's turn
-            env["env_vars"]["OPENBLAS_THREAD_TIMEOUT"] = os.environ.get(
-                "OPENBLAS_THREAD_TIMEOUT", OPENBLAS_IDLE_SPIN
-            )
+            env["env_vars"]["OPENBLAS_THREAD_TIMEOUT"] = settings.processes.blas_thread_timeout
         return dict(num_cpus=0, max_restarts=-1, runtime_env=env, **kw,
                     **({"resources": res} if res else {}))  # fmt: skip
 
     prefix = f"sanctum-{uuid.uuid4().hex[:8]}"
     store = StoreActor.options(**opts("store", name=f"{prefix}-store", max_task_retries=0)).remote(
-        settings.cache.max_bytes, settings.cache.directory
+        settings.cache, settings.processes
     )
     drafter = None
     if settings.engine.drafter:
@@ -85,7 +85,7 @@ def start_cluster(settings: ServeSettings) -> ClusterBackend:
         "verifier", name=f"{prefix}-verifier", max_task_retries=0, max_concurrency=concurrency
     )
     verifier = VerifierActor.options(**verifier_opts).remote(
-        settings, f"{prefix}-drafter" if drafter else None, f"{prefix}-store"
+        settings, f"{prefix}-drafter" if drafter else None, f"{prefix}-store", round_delay
     )
     return ClusterBackend(settings, verifier, drafter, store)
 

@@ -8,59 +8,78 @@ behaviour.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-from ..settings import ServeSettings
+from ..engine.drafter import Drafter
+from ..engine.peer import DraftPeer
+from ..engine.target import Target
+from ..settings import EngineSettings, ServeSettings
 from ..wire.gen import inference_pb2 as pb
 from .requests import Chunk, GenerateRequest
+from .verifier import Verifier
 
 log = logging.getLogger("sanctum.backend")
 
 
-def _slow_down(target, seconds: float, busy: bool) -> None:
-    """Benchmarks and tests: every target forward (a verify block, a plain step, a prefill call)
-    takes `seconds` longer, as a slower target would. Busy for benchmarks (a real forward keeps
-    its core busy; a sleep lets the cores go cold), asleep for tests."""
-    import time
+@dataclass(frozen=True)
+class RoundDelay:
+    """A benchmark and test knob, never a setting: every target forward (a verify block, a plain
+    step, a prefill call) takes `seconds` longer, as a slower target would. Busy for benchmarks
+    (a real forward keeps its core busy; a sleep lets the cores go cold), asleep for tests."""
 
-    forward = target.forward
+    seconds: float
+    busy: bool = False
 
-    def slower(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        if not busy:
-            time.sleep(seconds)
-        else:
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                pass
-        return out
+    def apply(self, target) -> None:
+        forward = target.forward
 
-    target.forward = slower
+        def slower(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            if not self.busy:
+                time.sleep(self.seconds)
+            else:
+                end = time.perf_counter() + self.seconds
+                while time.perf_counter() < end:
+                    pass
+            return out
+
+        target.forward = slower
 
 
-def make_verifier(settings: ServeSettings, store, remote_peer=None):
+def load_models(e: EngineSettings, parts: str = "both") -> tuple[Target, Drafter | None]:
+    """The target, and the drafter (`parts`: "both", or "head" when the body runs elsewhere)."""
+    from ..engine.drafter import load_drafter
+    from ..engine.target import load_target
+
+    target = load_target(e.model)
+    drafter = None
+    if e.drafter:
+        drafter = load_drafter(e.drafter, target, block_size=e.block_size, bits=e.drafter_bits,
+                               parts=parts)  # fmt: skip
+    return target, drafter
+
+
+def make_verifier(
+    settings: ServeSettings,
+    store,
+    remote_peer: Callable[[], DraftPeer] | None = None,
+    round_delay: RoundDelay | None = None,
+) -> Verifier:
     """Load the target and wrap it in the verifier role. Without `remote_peer` the whole
     drafter is loaded here (inline); with it, only the drafter head (the body is remote)."""
-    from ..engine.target import load_target
-    from .verifier import Verifier
+    from ..engine.speculative import LocalDraftPeer
 
     e = settings.engine
-    target = load_target(e.model)
-    if settings.round_delay_s:
-        _slow_down(target, settings.round_delay_s, settings.round_delay_busy)
-    drafter = peer = None
-    if e.drafter:
-        from ..engine.drafter import load_drafter
-        from ..engine.speculative import LocalDraftPeer
-
-        parts = "head" if remote_peer is not None else "both"
-        drafter = load_drafter(
-            e.drafter, target, block_size=e.block_size, bits=e.drafter_bits, parts=parts
-        )
+    target, drafter = load_models(e, "head" if remote_peer is not None else "both")
+    if round_delay is not None:
+        round_delay.apply(target)
+    peer = None
+    if drafter is not None:
         peer = remote_peer() if remote_peer is not None else LocalDraftPeer(drafter)
-    verifier = Verifier(target, drafter, peer, store, settings.cache.ladder_depth, e.kv_mode,
-                        e.block_size, settings.max_tokens_limit)  # fmt: skip
-    return verifier
+    return Verifier(target, drafter, peer, store, settings.cache.ladder_depth, e.kv_mode,
+                    e.block_size, settings.max_tokens_limit)  # fmt: skip
 
 
 def stats_message(
@@ -97,7 +116,7 @@ class InlineBackend:
 
     mode = "inline"
 
-    def __init__(self, settings: ServeSettings):
+    def __init__(self, settings: ServeSettings, round_delay: RoundDelay | None = None):
         from ..cache.store import PromptStore
         from .scheduler import Scheduler
 
@@ -106,9 +125,9 @@ class InlineBackend:
 
         def load():  # on the scheduler's thread, which then owns MLX
             self.store = PromptStore(settings.cache.max_bytes, settings.cache.directory)
-            return make_verifier(settings, self.store)
+            return make_verifier(settings, self.store, round_delay=round_delay)
 
-        self.scheduler = Scheduler(load, settings.max_active, settings.max_queue)
+        self.scheduler = Scheduler.for_settings(load, settings)
 
     def ready(self, timeout: float | None = None) -> None:
         """Block until the models are loaded (raises if loading failed)."""

@@ -16,7 +16,6 @@ stops the request before its next round and frees its sequence.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -24,6 +23,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..settings import ServeSettings
 from .errors import InternalError, InvalidRequest, QueueFull, Unavailable
 from .requests import Chunk, GenerateRequest
 
@@ -33,8 +33,9 @@ log = logging.getLogger("sanctum.scheduler")
 # and fewer when they would take longer than PREFILL_SLICE_S, judged by the cost per token of
 # the request's last slice: attention makes each token dearer as the context grows (default pair
 # on 2 cores: 512 tokens took 0.4 s at the start of an 18K-token chat, 1.9 s at its end).
-PREFILL_SLICE = int(os.environ.get("SANCTUM_PREFILL_SLICE", 512))
-PREFILL_SLICE_S = float(os.environ.get("SANCTUM_PREFILL_SLICE_MS", 250)) / 1000.0
+# (ServeSettings.prefill_slice, prefill_slice_ms: SANCTUM_PREFILL_SLICE, SANCTUM_PREFILL_SLICE_MS)
+PREFILL_SLICE = 512
+PREFILL_SLICE_S = 0.25
 MIN_PREFILL_SLICE = 64  # a forward has a fixed cost too: fewer tokens would mostly pay that
 # Threads that prepare requests (the tokenizer releases the GIL): two, so one huge prompt
 # being tokenized does not hold up every other request's admission.
@@ -98,8 +99,14 @@ class Scheduler:
     `load()` builds the verifier ON the worker thread: MLX streams belong to the thread that
     created them, so the thread that loads the models is the one that runs them."""
 
-    def __init__(self, load, max_active: int = 8, max_queue: int = 64,
-                 prefill_slice: int = PREFILL_SLICE):  # fmt: skip
+    def __init__(
+        self,
+        load,
+        max_active: int = 8,
+        max_queue: int = 64,
+        prefill_slice: int = PREFILL_SLICE,
+        prefill_slice_s: float = PREFILL_SLICE_S,
+    ):
         self.verifier = None
         self._ready = threading.Event()
         self._parked = threading.Event()
@@ -112,7 +119,7 @@ class Scheduler:
         self._opening: set[str] = set()  # admitted, being begun: not _waiting, not _active
         self._prefilling: dict[str, tuple[object, Ticket]] = {}  # prompt tokens still to run
         self.prefill_slice = max(1, prefill_slice)
-        self.prefill_slice_s = PREFILL_SLICE_S
+        self.prefill_slice_s = prefill_slice_s
         self._token_cost: dict[str, float] = {}  # request id -> seconds a token, its last slice
         self._last_token_cost: float | None = None  # any request's: for a first slice
         self._tickets: dict[str, Ticket] = {}
@@ -124,6 +131,12 @@ class Scheduler:
             target=self._run, args=(load,), name="sanctum-mlx", daemon=True
         )
         self._thread.start()
+
+    @classmethod
+    def for_settings(cls, load, settings: ServeSettings) -> Scheduler:
+        """The scheduler `sanctum serve` runs: its bounds and prefill slices from `settings`."""
+        return cls(load, settings.max_active, settings.max_queue, settings.prefill_slice,
+                   settings.prefill_slice_ms / 1000.0)  # fmt: skip
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the verifier is loaded; raises if loading failed."""
