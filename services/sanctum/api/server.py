@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from ..serving.errors import QueueFull, Unavailable
 from ..serving.requests import validate
 from ..settings import ConnectionLimits
 from ..wire.convert import chunk_to_proto, request_from_proto, round_of
@@ -64,19 +65,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._admin_inflight = 0  # touched on the event loop only
 
     # ---- bookkeeping ---------------------------------------------------------------------------
-    def _enter(self) -> tuple[grpc.StatusCode, str] | None:
-        """Count a generation request in, or say why not."""
+    def _enter(self) -> None:
+        """Count a generation request in, or raise why not (Unavailable, QueueFull)."""
         with self._cv:
             if self.draining:
-                return grpc.StatusCode.UNAVAILABLE, "the server is draining; retry elsewhere"
+                raise Unavailable("the server is draining; retry elsewhere")
             if self.backend is None:
-                return grpc.StatusCode.UNAVAILABLE, "the server is loading its models"
+                raise Unavailable("the server is loading its models")
             if self._inflight >= self.max_streams:
-                return (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{self._inflight} generation requests in flight, the server's limit; "
-                        "retry later")  # fmt: skip
+                raise QueueFull(
+                    f"{self._inflight} generation requests in flight, the server's limit; "
+                    "retry later"
+                )
             self._inflight += 1
-            return None
 
     def _leave(self) -> None:
         with self._cv:
@@ -108,9 +109,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def _chunks(self, request, context, mode: str):
         """The request's chunks; aborts the RPC with the right status on any error."""
-        refused = self._enter()
-        if refused is not None:
-            await context.abort(*refused)
+        try:
+            self._enter()
+        except (Unavailable, QueueFull) as exc:
+            await context.abort(*grpc_status(exc))
         loop = asyncio.get_running_loop()
         try:
             remaining = context.time_remaining()
@@ -147,10 +149,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _admin_call(self, context, fn, *args):
         """`fn(*args)` on an administration thread; its error as the RPC's status."""
         if self.backend is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading its models")
+            await context.abort(*grpc_status(Unavailable("the server is loading its models")))
         if self._admin_inflight >= ADMIN_LIMIT:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{ADMIN_LIMIT} administrative calls in flight; retry later")  # fmt: skip
+            busy = QueueFull(f"{ADMIN_LIMIT} administrative calls in flight; retry later")
+            await context.abort(*grpc_status(busy))
         self._admin_inflight += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._admin, fn, *args)

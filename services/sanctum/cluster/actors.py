@@ -30,9 +30,8 @@ from ..serving.inline import RoundDelay, make_verifier, stats_message
 from ..serving.requests import Limits
 from ..settings import CacheSettings, RoleProcesses, ServeSettings
 from ..wire.convert import request_from_proto
-from ..wire.errors import error_event
 from ..wire.gen import roles_pb2 as roles
-from .events import EventServer, ends, to_event
+from .events import EventServer, ends, fill_event
 
 log = logging.getLogger("sanctum.cluster")
 
@@ -216,14 +215,16 @@ class VerifierActor:
         try:
             ticket = self._submit(roles.Submit.FromString(submit))
         except Exception as exc:
-            yield roles.VerifierEvents(events=[error_event(exc)]).SerializeToString()
+            events = roles.VerifierEvents()
+            fill_event(events.events.add(), exc, 0)
+            yield events.SerializeToString()
             return
         index = 0
         while True:
             events = roles.VerifierEvents()
             batch = ticket.next_batch()
             for item in batch:
-                events.events.append(to_event(item, index))
+                fill_event(events.events.add(), item, index)
                 index += 0 if ends(item) else 1
             yield events.SerializeToString()
             if ends(batch[-1]):

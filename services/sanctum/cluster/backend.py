@@ -21,7 +21,7 @@ from ..serving.inline import RoundDelay
 from ..serving.requests import Limits
 from ..settings import RoleProcesses, ServeSettings
 from ..wire.convert import chunk_from_proto, request_to_proto
-from ..wire.errors import error_from_wire
+from ..wire.errors import from_role_error
 from ..wire.gen import inference_pb2 as pb
 from ..wire.gen import roles_pb2 as roles
 from .actors import DrafterActor, StoreActor, VerifierActor
@@ -198,7 +198,7 @@ class ClusterBackend:
             for ev in events:
                 kind = ev.WhichOneof("kind")
                 if kind == "error":
-                    raise error_from_wire(ev.error)
+                    raise from_role_error(ev.error)
                 if kind == "chunk":
                     yield chunk_from_proto(ev.chunk)
         except ChannelBroken:

@@ -37,7 +37,7 @@ from multiprocessing.connection import Client
 from ..serving.errors import InvalidRequest
 from ..serving.scheduler import End
 from ..wire.convert import chunk_to_proto
-from ..wire.errors import error_event
+from ..wire.errors import to_role_error
 from ..wire.gen import roles_pb2 as roles
 from .sockets import UnixListener
 from .transport import ChannelBroken
@@ -51,13 +51,15 @@ _STOP = object()
 # ---- events and errors on the wire ----------------------------------------------------------
 
 
-def to_event(item, index: int) -> roles.VerifierEvent:
-    """A ticket item (Chunk | BaseException | End) as a VerifierEvent; `index`: the chunk's."""
+def fill_event(event: roles.VerifierEvent, item, index: int) -> None:
+    """Set `event` to a ticket item (Chunk | BaseException | End), in place: the chunk is
+    converted once, straight into the message that is sent; `index`: the chunk's."""
     if isinstance(item, End):
-        return roles.VerifierEvent(end=True)
-    if isinstance(item, BaseException):
-        return error_event(item)
-    return roles.VerifierEvent(chunk=chunk_to_proto(item, index))
+        event.end = True
+    elif isinstance(item, BaseException):
+        to_role_error(item, event.error)
+    else:
+        chunk_to_proto(item, index, out=event.chunk)
 
 
 def ends(item) -> bool:
@@ -162,9 +164,8 @@ class _FrontEnd:
                 if entry is _STOP:
                     break
                 request_id, index, item = entry
-                event = msg.events.add()
-                event.CopyFrom(to_event(item, index))
-                event.request_id = request_id
+                event = msg.events.add(request_id=request_id)
+                fill_event(event, item, index)
                 if ends(item):
                     with self.lock:
                         self.open.discard(request_id)

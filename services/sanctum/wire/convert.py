@@ -90,10 +90,16 @@ def usage_from_proto(m: pb.Usage) -> Usage:
     return Usage(**{f: getattr(m, f) for f in pb.Usage.DESCRIPTOR.fields_by_name})
 
 
-def chunk_to_proto(chunk: Chunk, index: int) -> pb.GenerateResponse:
-    m = pb.GenerateResponse(index=index, text=chunk.text, token_ids=chunk.token_ids,
-                            drafted=chunk.drafted, accepted=chunk.accepted,
-                            finish_reason=chunk.finish_reason or "")  # fmt: skip
+def chunk_to_proto(
+    chunk: Chunk, index: int, out: pb.GenerateResponse | None = None
+) -> pb.GenerateResponse:
+    """`chunk` as the public message; filled into `out` when given (a field of the message that
+    carries it, so nothing is copied)."""
+    m = pb.GenerateResponse() if out is None else out
+    m.SetInParent()  # present even when every field keeps its default
+    m.index, m.text, m.drafted, m.accepted = index, chunk.text, chunk.drafted, chunk.accepted
+    m.token_ids.extend(chunk.token_ids)
+    m.finish_reason = chunk.finish_reason or ""
     if chunk.usage is not None:
         m.usage.CopyFrom(usage_to_proto(chunk.usage))
     return m

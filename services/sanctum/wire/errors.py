@@ -1,5 +1,6 @@
-"""Errors across process boundaries: a serving error as a role error (roles.proto) and back, and
-as the gRPC status a client gets.
+"""Errors across process boundaries, in ONE table: each serving error (serving/errors.py) with the
+role error code it travels as between processes (roles.proto `RoleError`) and the gRPC status a
+client gets. Anything else is internal.
 """
 
 from __future__ import annotations
@@ -14,39 +15,44 @@ from .gen import roles_pb2 as roles
 
 log = logging.getLogger("sanctum.api")
 
+# serving error, roles.RoleError.Code, gRPC status
+ERRORS: tuple[tuple[type[Exception], int, grpc.StatusCode], ...] = (
+    (InvalidRequest, roles.RoleError.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT),
+    (QueueFull, roles.RoleError.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unavailable, roles.RoleError.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
+    (InternalError, roles.RoleError.INTERNAL, grpc.StatusCode.INTERNAL),
+)
 
-def error_event(exc: BaseException) -> roles.VerifierEvent:
-    E = roles.RoleError
+
+def _row(exc: BaseException) -> tuple[type[Exception], int, grpc.StatusCode]:
+    return next((row for row in ERRORS if isinstance(exc, row[0])), ERRORS[-1])
+
+
+def to_role_error(exc: BaseException, out: roles.RoleError) -> None:
+    """Fill `out` (a message field, set in place) with `exc`."""
+    out.code = _row(exc)[1]
     if isinstance(exc, InvalidRequest):
         text = str(exc)
-        text = text[len(exc.field) + 2 :] if text.startswith(f"{exc.field}: ") else text
-        err = E(code=E.INVALID_ARGUMENT, field=exc.field, message=text)
-    elif isinstance(exc, QueueFull):
-        err = E(code=E.RESOURCE_EXHAUSTED, message=str(exc))
-    elif isinstance(exc, Unavailable):
-        err = E(code=E.UNAVAILABLE, message=str(exc))
+        out.field = exc.field
+        out.message = text[len(exc.field) + 2 :] if text.startswith(f"{exc.field}: ") else text
     else:
-        err = E(code=E.INTERNAL, message=str(exc) or exc.__class__.__name__)
-    return roles.VerifierEvent(error=err)
+        out.message = str(exc) or exc.__class__.__name__
 
 
-def error_from_wire(err: roles.RoleError) -> Exception:
-    E = roles.RoleError
-    if err.code == E.INVALID_ARGUMENT:
+def from_role_error(err: roles.RoleError) -> Exception:
+    """The serving error that `err` carries."""
+    cls = next((row[0] for row in ERRORS if row[1] == err.code), InternalError)
+    if cls is InvalidRequest:
         return InvalidRequest(err.field, err.message)
-    if err.code == E.RESOURCE_EXHAUSTED:
-        return QueueFull(err.message)
-    if err.code == E.UNAVAILABLE:
-        return Unavailable(err.message)
-    return InternalError(err.message)
+    return cls(err.message)
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and details a client gets for `exc` (an unexpected one is logged)."""
+    status = _row(exc)[2]
     if isinstance(exc, InvalidRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT, invalid_message(exc)
-    if isinstance(exc, QueueFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, Unavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
+        return status, invalid_message(exc)
+    if isinstance(exc, (QueueFull, Unavailable)):
+        return status, str(exc)
     log.error("internal error: %r", exc, exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {exc}"
+    return status, f"internal error: {exc}"
