@@ -35,7 +35,13 @@ from grpc_reflection.v1alpha import reflection
 from ..serving.errors import QueueFull, Unavailable
 from ..serving.requests import validate
 from ..settings import ConnectionLimits
-from ..wire.convert import chunk_to_proto, request_from_proto, round_of
+from ..wire.convert import (
+    chunk_to_proto,
+    entries_to_proto,
+    request_from_proto,
+    round_of,
+    stats_to_proto,
+)
 from ..wire.errors import grpc_status
 from ..wire.gen import inference_pb2 as pb
 from ..wire.gen import inference_pb2_grpc as pb_grpc
@@ -199,11 +205,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetStats(self, request, context):
         """Serving model, queue and cache counters."""
-        return await self._admin_call(context, lambda: self.backend.stats())
+        return stats_to_proto(await self._admin_call(context, self.backend.stats))
 
     async def ListCache(self, request, context):
         """Saved prompt-cache entries."""
-        return await self._admin_call(context, lambda: self.backend.list_cache(request.model_key))
+        entries = await self._admin_call(context, self.backend.list_cache, request.model_key)
+        return entries_to_proto(entries)
 
     async def ClearCache(self, request, context):
         """Drop saved prompt-cache entries."""

@@ -22,12 +22,14 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import ray
 
-from ..serving.inline import RoundDelay, make_verifier, stats_message
+from ..serving.inline import RoundDelay, make_verifier
 from ..serving.requests import Limits
+from ..serving.stats import CacheStats, EntryInfo, Stats, serving_stats
 from ..settings import CacheSettings, RoleProcesses, ServeSettings
 from ..wire.convert import request_from_proto
 from ..wire.gen import roles_pb2 as roles
@@ -139,13 +141,13 @@ class StoreActor:
     def put(self, header: bytes, arrays: list[np.ndarray]) -> str:
         return self.service.put(header, arrays)
 
-    def list(self, model_key: str = "") -> bytes:
+    def list(self, model_key: str = "") -> list[EntryInfo]:
         return self.service.list(model_key)
 
     def clear(self, model_key: str = "") -> int:
         return self.service.clear(model_key)
 
-    def stats(self) -> bytes:
+    def stats(self) -> CacheStats:
         return self.service.stats()
 
 
@@ -233,13 +235,12 @@ class VerifierActor:
     def cancel(self, request_id: str) -> bool:
         return self.scheduler.cancel(request_id)
 
-    def stats(self) -> bytes:
-        out = stats_message(
-            "cluster", self.settings, self.verifier, self.scheduler.stats(), self.peer
-        )
+    def stats(self) -> Stats:
+        out = serving_stats("cluster", self.settings, self.verifier, self.scheduler.stats(),
+                            self.peer)  # fmt: skip
         # the verifier's own view of the store (it may not have seen a restart yet)
-        out.cache.available = self.store is not None and self.store.available
-        return out.SerializeToString()
+        seen = self.store is not None and self.store.available
+        return replace(out, cache=CacheStats(available=seen))
 
     def pid(self) -> int:
         return os.getpid()

@@ -13,16 +13,17 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import ray
 
 from ..serving.errors import InternalError, Unavailable
 from ..serving.inline import RoundDelay
 from ..serving.requests import Limits
+from ..serving.stats import CacheStats, EntryInfo, Stats
 from ..settings import RoleProcesses, ServeSettings
 from ..wire.convert import chunk_from_proto, request_to_proto
 from ..wire.errors import from_role_error
-from ..wire.gen import inference_pb2 as pb
 from ..wire.gen import roles_pb2 as roles
 from .actors import DrafterActor, StoreActor, VerifierActor
 from .events import EventClient
@@ -242,21 +243,18 @@ class ClusterBackend:
         with contextlib.suppress(Exception):  # a dead verifier has nothing left to cancel
             self.verifier.cancel.remote(request_id)
 
-    def stats(self) -> pb.StatsResponse:
+    def stats(self) -> Stats:
         try:
-            out = pb.StatsResponse.FromString(ray.get(self.verifier.stats.remote(), timeout=10))
+            out: Stats = ray.get(self.verifier.stats.remote(), timeout=10)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             raise Unavailable("the verifier is restarting") from None
         seen = out.cache.available
         try:
-            out.cache.CopyFrom(
-                pb.CacheStats.FromString(ray.get(self.store.stats.remote(), timeout=5))
-            )
+            cache: CacheStats = ray.get(self.store.stats.remote(), timeout=5)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            out.cache.available = False
+            cache = CacheStats(available=False)
         # available = the store answers AND the verifier serves from it again
-        out.cache.available = out.cache.available and seen
-        return out
+        return replace(out, cache=replace(cache, available=cache.available and seen))
 
     def _store_call(self, method, *args):
         try:
@@ -264,8 +262,8 @@ class ClusterBackend:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             raise Unavailable("the ladder store is restarting; retry shortly") from None
 
-    def list_cache(self, model_key: str = "") -> pb.ListCacheResponse:
-        return pb.ListCacheResponse.FromString(self._store_call(self.store.list, model_key))
+    def list_cache(self, model_key: str = "") -> list[EntryInfo]:
+        return self._store_call(self.store.list, model_key)
 
     def clear_cache(self, model_key: str = "") -> int:
         return self._store_call(self.store.clear, model_key)

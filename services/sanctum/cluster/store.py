@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from ..cache.store import CacheEntry, PromptStore, ResumePlan
-from ..wire.gen import inference_pb2 as pb
+from ..serving.stats import CacheStats, EntryInfo, cache_stats, entry_infos
 from ..wire.gen import roles_pb2 as roles
 from ..wire.tensors import _host, flatten, unflatten
 
@@ -53,29 +53,14 @@ class StoreService:
                            taps, created=h.created or time.time())  # fmt: skip
         return self.store.put(entry) or ""
 
-    def list(self, model_key: str = "") -> bytes:
-        entries = self.store.entries(model_key or None)
-        out = pb.ListCacheResponse()
-        for e in entries:
-            out.entries.add(entry_id=e.entry_id, model_key=e.model_key, kv_mode=e.kv_mode,
-                            num_tokens=len(e.tokens), rungs=sorted(e.rungs), nbytes=e.nbytes,
-                            created=e.created)  # fmt: skip
-        return out.SerializeToString()
+    def list(self, model_key: str = "") -> list[EntryInfo]:
+        return entry_infos(self.store, model_key)
 
     def clear(self, model_key: str = "") -> int:
         return self.store.clear(model_key or None)
 
-    def stats(self) -> bytes:
-        return cache_stats(self.store).SerializeToString()
-
-
-def cache_stats(store: PromptStore | None) -> pb.CacheStats:
-    if store is None:
-        return pb.CacheStats(available=False)
-    s = store.stats
-    return pb.CacheStats(entries=len(store), bytes=store.nbytes, max_bytes=store.max_bytes,
-                         lookups=s["lookups"], hits=s["hits"], evictions=s["evictions"],
-                         available=True, directory=str(store.directory or ""))  # fmt: skip
+    def stats(self) -> CacheStats:
+        return cache_stats(self.store)
 
 
 # ---- the verifier side ---------------------------------------------------------------------

@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..engine.drafter import Drafter
 from ..engine.peer import DraftPeer
 from ..engine.target import Target
 from ..settings import EngineSettings, ServeSettings
-from ..wire.gen import inference_pb2 as pb
 from .requests import Chunk, GenerateRequest
+from .stats import EntryInfo, Stats, cache_stats, entry_infos, serving_stats
 from .verifier import Verifier
 
 log = logging.getLogger("sanctum.backend")
@@ -82,35 +82,6 @@ def make_verifier(
                     e.block_size, settings.max_tokens_limit)  # fmt: skip
 
 
-def stats_message(
-    mode: str, settings: ServeSettings, verifier, sched: dict, peer
-) -> pb.StatsResponse:
-    m = verifier.metrics
-    e = settings.engine
-    out = pb.StatsResponse(
-        model=e.model, drafter=e.drafter or "", block_size=verifier.decoder.block_size, kv=e.kv_mode,
-        mode=mode, active=sched["active"], waiting=sched["waiting"], requests=m.requests,
-        prompt_tokens=m.prompt_tokens, cached_tokens=m.cached_tokens,
-        completion_tokens=m.completion_tokens, rounds=m.rounds, drafted_tokens=m.drafted_tokens,
-        accepted_tokens=m.accepted_tokens, cancelled=sched["cancelled"], rejected=sched["rejected"],
-        drafter_available=bool(e.drafter) and (peer is None or peer.available),
-        transport="inline" if peer is None else peer.kind,
-    )  # fmt: skip
-    rounds = max(1, m.rounds)
-    out.round_draft_ms, out.round_verify_ms, out.round_rollback_ms, out.round_other_ms = (
-        1000.0 * m.round_s[k] / rounds for k in ("draft", "verify", "rollback", "other")
-    )
-    if peer is not None:
-        s = peer.summary()
-        out.draft_calls = s["draft_calls"]
-        out.transport_ms_per_round = s["transport_ms_per_call"]
-        out.transport_bytes_per_round = s["bytes_per_call"]
-        out.drafter_compute_ms_per_round = s["drafter_compute_ms_per_call"]
-        out.drafter_wait_ms_per_round = s["drafter_wait_ms_per_call"]
-        out.overlapped_draft_calls = s["hidden_calls"]
-    return out
-
-
 class InlineBackend:
     """The three roles as plain objects in this process: the isolation baseline (`--inline`)."""
 
@@ -150,17 +121,12 @@ class InlineBackend:
     def cancel(self, request_id: str) -> None:
         self.scheduler.cancel(request_id)
 
-    def stats(self) -> pb.StatsResponse:
-        from ..cluster.store import cache_stats
+    def stats(self) -> Stats:
+        out = serving_stats(self.mode, self.settings, self.verifier, self.scheduler.stats(), None)
+        return replace(out, cache=cache_stats(self.store))
 
-        out = stats_message(self.mode, self.settings, self.verifier, self.scheduler.stats(), None)
-        out.cache.CopyFrom(cache_stats(self.store))
-        return out
-
-    def list_cache(self, model_key: str = "") -> pb.ListCacheResponse:
-        from ..cluster.store import StoreService
-
-        return pb.ListCacheResponse.FromString(StoreService(self.store).list(model_key))
+    def list_cache(self, model_key: str = "") -> list[EntryInfo]:
+        return entry_infos(self.store, model_key)
 
     def clear_cache(self, model_key: str = "") -> int:
         return self.store.clear(model_key or None)

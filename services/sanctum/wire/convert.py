@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import re
 import uuid
+from dataclasses import asdict
 
 from ..serving.errors import InvalidRequest
 from ..serving.requests import Chunk, GenerateRequest, Usage
+from ..serving.stats import EntryInfo, Stats
 from .gen import inference_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 64
@@ -114,3 +116,14 @@ def round_of(m: pb.GenerateResponse) -> dict:
     """The seed's per-round line for a response (index >= 1): bs, accepted, committed."""
     return {"bs": m.drafted + 1 if m.drafted else 1, "accepted": m.accepted,
             "committed": len(m.token_ids)}  # fmt: skip
+
+
+def stats_to_proto(s: Stats) -> pb.StatsResponse:
+    """The public StatsResponse (its fields are the dataclass's, by name)."""
+    out = pb.StatsResponse(**{k: v for k, v in asdict(s).items() if k != "cache"})
+    out.cache.CopyFrom(pb.CacheStats(**asdict(s.cache)))
+    return out
+
+
+def entries_to_proto(entries: list[EntryInfo]) -> pb.ListCacheResponse:
+    return pb.ListCacheResponse(entries=[pb.CacheEntryInfo(**asdict(e)) for e in entries])
