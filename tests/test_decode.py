@@ -123,11 +123,11 @@ def test_bf16_long_prompt_equals_mlx_lm_with_its_prefill(bf16_pair, monkeypatch)
 
 
 def run(decoder, target, ids, n, eos=(), stop_check=None, kv="fp16"):
-    seq = decoder.new_sequence("s", kv)
+    seq = decoder.new_sequence("s", kv, SamplingParams(), n, eos, stop_check)
     key = make_key(0)
-    steps = [decoder.start(seq, decoder.prefill(seq, ids), SamplingParams(), n, set(eos), key)]
+    steps = [decoder.start(seq, decoder.prefill(seq, ids), key)]
     while seq.finished is None:
-        steps.append(decoder.step(seq, SamplingParams(), n, set(eos), key, stop_check))
+        steps.append(decoder.step(seq, key))
     return seq, steps
 
 
@@ -176,10 +176,10 @@ def test_plain_step_runs_ahead_and_stops_exactly(pair, monkeypatch):
         assert_cache_exact(target, seq, ids)
     # cancelled between steps: close undoes the queued step
     decoder = Decoder(target)
-    seq = decoder.new_sequence("c")
-    decoder.start(seq, decoder.prefill(seq, ids), SamplingParams(), 48, set(), make_key(0))
+    seq = decoder.new_sequence("c", max_tokens=48)
+    decoder.start(seq, decoder.prefill(seq, ids), make_key(0))
     for _ in range(5):
-        decoder.step(seq, SamplingParams(), 48, set(), make_key(0))
+        decoder.step(seq, make_key(0))
     assert seq.ahead is not None and cache_offset(seq.cache) == len(seq.cached_tokens) + 1
     decoder.close(seq)
     assert_cache_exact(target, seq, ids)
@@ -225,10 +225,10 @@ def test_queued_plain_steps_leave_the_prompt_cache_as_unqueued_ones(monkeypatch)
         decoder = Decoder(target)
         if not queued:
             decoder._runs_ahead = lambda params: False
-        seq = decoder.new_sequence("s")
-        decoder.start(seq, decoder.prefill(seq, ids), SamplingParams(), 40, set(), make_key(0))
+        seq = decoder.new_sequence("s", max_tokens=40)
+        decoder.start(seq, decoder.prefill(seq, ids), make_key(0))
         for _ in range(6):
-            decoder.step(seq, SamplingParams(), 40, set(), make_key(0))
+            decoder.step(seq, make_key(0))
         assert (seq.ahead is not None) == queued
         states[queued] = decoder.committed_state(seq)
         decoder.close(seq)

@@ -122,10 +122,10 @@ def test_pipelined_peer_prefetch_is_lossless_and_recovers(make_pair, drafter_kin
     # a request closed (cancelled) between rounds drops its prefetched draft
     peer = PipelinedLocalPeer(drafter)
     decoder = Decoder(target, drafter, peer)
-    seq = decoder.new_sequence("c")
+    seq = decoder.new_sequence("c", max_tokens=40)
     logits = decoder.prefill(seq, ids)
-    decoder.start(seq, logits, SamplingParams(), 40, set(), make_key(0))
-    decoder.step(seq, SamplingParams(), 40, set(), make_key(0))
+    decoder.start(seq, logits, make_key(0))
+    decoder.step(seq, make_key(0))
     assert seq.prefetch is not None
     decoder.close(seq)
     assert peer.discarded == 1 and seq.prefetch is None
@@ -151,12 +151,12 @@ class ScriptedDecoder(Decoder):
 
 
 def run_decoder(decoder, target, prompt_ids, n, kv="fp16", eos=frozenset(), stop_check=None):
-    seq = decoder.new_sequence("s", kv)
+    seq = decoder.new_sequence("s", kv, SamplingParams(), n, eos, stop_check)
     key = make_key(0)
     logits = decoder.prefill(seq, prompt_ids)
-    steps = [decoder.start(seq, logits, SamplingParams(), n, set(eos), key)]
+    steps = [decoder.start(seq, logits, key)]
     while seq.finished is None:
-        steps.append(decoder.step(seq, SamplingParams(), n, set(eos), key, stop_check))
+        steps.append(decoder.step(seq, key))
     return seq, steps
 
 

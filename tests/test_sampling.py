@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -104,9 +106,9 @@ def test_speculative_sampling_follows_target_not_drafter(tiny_vocab_pair, params
     decoder = Decoder(target, drafter, LocalDraftPeer(drafter))
     prompt = [6, 7, 8, 9, 10, 11]
     anchor = 12
-    seq = decoder.new_sequence("stat")
+    seq = decoder.new_sequence("stat", sampling=params, max_tokens=100)
     decoder.prefill(seq, prompt)
-    prompt_taps = list(seq.pending_taps)
+    prompt_taps = replace(seq.taps, chunks=list(seq.taps.chunks))
     p = np.array(probabilities(_next_logits(target, prompt + [anchor]), params))[0]
     seq.anchor = anchor
     _, q = decoder._draft(seq, params, make_key(0))  # the drafter's distribution for row 1
@@ -117,9 +119,9 @@ def test_speculative_sampling_follows_target_not_drafter(tiny_vocab_pair, params
     for _ in range(n):
         key, sub = mx.random.split(key)
         seq.anchor, seq.completion, seq.finished = anchor, [], None
-        seq.pending_taps = list(prompt_taps)
+        seq.taps = replace(prompt_taps, chunks=list(prompt_taps.chunks))
         seq.draft_open = False  # reopen: the drafter starts from the same context each time
-        step = decoder.step(seq, params, 100, set(), sub)
+        step = decoder.step(seq, sub)
         counts[step.tokens[0]] += 1
         target.rollback(seq.cache, seq.last_tape, 0)
     assert chi_square_p(counts, p) > 1e-3

@@ -54,13 +54,13 @@ class ForcedDecoder(Decoder):
 
 def _decode(decoder: Decoder, prompt: list[int], max_tokens: int, kv: str):
     """Greedy decode; (tokens, round stats, decode-only seconds: after the first token)."""
-    seq = decoder.new_sequence("seed", kv)
-    params, key = SamplingParams(), make_key(0)
+    seq = decoder.new_sequence("seed", kv, SamplingParams(), max_tokens)
+    key = make_key(0)
     logits = decoder.prefill(seq, prompt)
-    tokens = list(decoder.start(seq, logits, params, max_tokens, set(), key).tokens)
+    tokens = list(decoder.start(seq, logits, key).tokens)
     t0, stats = time.perf_counter(), []
     while seq.finished is None:
-        step = decoder.step(seq, params, max_tokens, set(), key)
+        step = decoder.step(seq, key)
         tokens += step.tokens
         stats.append(step.stats)
     elapsed = time.perf_counter() - t0

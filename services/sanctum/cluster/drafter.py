@@ -15,8 +15,9 @@ hundred KB even at 248K vocabulary (logits would be L x 248K floats).
 transport channel (shared memory on one host, the object store across hosts): `submit` sends a
 request and returns, `collect` waits for its reply, so the verifier asks for a sequence's next
 block before its rollback and its stream and finds the answer (mostly) ready. When the drafter
-dies it raises `DraftUnavailable` (the decoder then steps plainly), reconnects in the background
-once the actor has restarted, and replays each open sequence's context so speculation resumes.
+dies it raises `DraftUnavailable` (the decoder then steps plainly) and reconnects in the
+background once the actor has restarted; a sequence opened again starts a fresh session, and
+the decoder sends it the context its sequence keeps (engine/taps.py), so speculation resumes.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..engine.speculative import MAX_PENDING_TAP_ROWS, DraftUnavailable, LocalDraftPeer
+from ..engine.peer import DraftUnavailable, LocalDraftPeer
+from ..settings import TRANSPORTS
 from ..wire.gen import roles_pb2 as roles
 from .transport import ChannelBroken, ObjectStoreChannel, ShmChannel
 
@@ -86,28 +87,30 @@ class PendingDraft:
     call_id: int
     generation: int  # the connection it was sent on
     seq_id: str
-    new_taps: mx.array | None  # context rows it carries (remembered for replay once answered)
 
 
 class RemoteDraftPeer:
     """The engine's DraftPeer, talking to a drafter actor (see the module docstring)."""
 
     RETRY_S = 0.25  # how often to look for a restarted drafter while it is away
-    MAX_REPLAY_SEQS = 64
 
-    def __init__(self, handle, node_id: str, transport: str = "auto", timeout_s: float = 60.0,
-                 replay_rows: int = MAX_PENDING_TAP_ROWS, connect_timeout_s: float | None = 300.0):  # fmt: skip
-        if transport not in ("auto", "shm", "object_store"):
+    def __init__(
+        self,
+        handle,
+        node_id: str,
+        transport: str = "auto",
+        timeout_s: float = 60.0,
+        connect_timeout_s: float | None = 300.0,
+    ):
+        if transport not in TRANSPORTS:
             raise ValueError(f"transport must be auto, shm or object_store, got {transport!r}")
         self.handle, self.node_id, self.transport = handle, node_id, transport
-        self.timeout_s, self.replay_rows = timeout_s, replay_rows
+        self.timeout_s = timeout_s
         self.channel = None
         self.generation = 0  # bumped on every (re)connection
         self._connecting = None  # ObjectRef of a pending `connect`
         self._last_try = 0.0
         self.sessions: dict[str, int] = {}  # seq_id -> generation it was opened on
-        self.replay: OrderedDict[str, list[mx.array]] = OrderedDict()  # taps already sent
-        self.needs_replay: set[str] = set()
         self.stats = {"calls": 0, "compute_s": 0.0, "wait_s": 0.0, "submit_s": 0.0, "hidden": 0,
                       "latency_calls": 0, "transport_s": 0.0, "bytes": 0, "reconnects": 0,
                       "failures": 0}  # fmt: skip
@@ -203,27 +206,20 @@ class RemoteDraftPeer:
     # ---- DraftPeer ---------------------------------------------------------------------------
     pipelined = True  # submit, then collect: the verifier works while the drafter computes
 
-    def open(self, seq_id: str) -> None:
+    def open(self, seq_id: str) -> bool:
+        """A session for `seq_id` on the drafter: always a fresh one (its context empty)."""
         self._call(roles.DraftRequest(open=roles.DraftOpen(seq_id=seq_id)))
         self.sessions[seq_id] = self.generation
-        if self.replay.get(seq_id):
-            self.needs_replay.add(seq_id)  # a fresh session: send the context seen so far again
-        self.replay.setdefault(seq_id, [])
-        self.replay.move_to_end(seq_id)
-        while len(self.replay) > self.MAX_REPLAY_SEQS:
-            self.replay.popitem(last=False)
+        return True
 
     def submit(
         self, seq_id: str, new_taps: mx.array | None, block_embeds: mx.array, start: int
     ) -> PendingDraft:
         """Send a draft request; `collect` its hidden states [L-1, H] later."""
         if self.sessions.get(seq_id) != self.generation or self.channel is None:
-            self.open(seq_id)  # the drafter restarted since: a fresh session, context replayed
-        send = new_taps
-        if seq_id in self.needs_replay:
-            history = self.replay.get(seq_id, [])
-            send = mx.concatenate(history + ([new_taps] if new_taps is not None else []))
-        arrays = [send, block_embeds] if send is not None else [block_embeds]
+            # the drafter restarted since: the decoder opens a fresh session and resends
+            raise DraftUnavailable("the drafter restarted; the sequence is opened again")
+        arrays = [new_taps, block_embeds] if new_taps is not None else [block_embeds]
         mx.eval(arrays)  # the taps/embeddings' own compute is not transport (inline does it too)
         # room for the reply: [L-1, H] hidden states, at most 4 bytes an element
         reply_bytes = 4 * block_embeds.shape[0] * block_embeds.shape[-1]
@@ -234,8 +230,7 @@ class RemoteDraftPeer:
         except ChannelBroken as exc:
             raise self._broken(exc) from None
         self.stats["submit_s"] += time.perf_counter() - t0
-        self.needs_replay.discard(seq_id)  # a failure from here on reopens, and replays again
-        return PendingDraft(call_id, self.generation, seq_id, new_taps)
+        return PendingDraft(call_id, self.generation, seq_id)
 
     def collect(self, pending: PendingDraft) -> mx.array:
         """The hidden states of a submitted draft (waits for them)."""
@@ -259,8 +254,6 @@ class RemoteDraftPeer:
             if answer.waited_s >= compute:
                 s["latency_calls"] += 1
                 s["transport_s"] += answer.waited_s - compute
-        if pending.new_taps is not None and self.replay_rows > 0:
-            self._remember(pending.seq_id, pending.new_taps)
         return answer.hidden
 
     def discard(self, pending: PendingDraft) -> None:
@@ -275,20 +268,11 @@ class RemoteDraftPeer:
         return self.collect(self.submit(seq_id, new_taps, block_embeds, start))
 
     def close(self, seq_id: str) -> None:
-        self.replay.pop(seq_id, None)
-        self.needs_replay.discard(seq_id)
         if self.sessions.pop(seq_id, None) == self.generation and self.channel is not None:
             try:
                 self._call(roles.DraftRequest(close=roles.DraftClose(seq_id=seq_id)))
             except DraftUnavailable:
                 pass
-
-    def _remember(self, seq_id: str, taps: mx.array) -> None:
-        history = self.replay.setdefault(seq_id, [])
-        history.append(taps)
-        rows = sum(t.shape[0] for t in history)
-        if rows > self.replay_rows:
-            self.replay[seq_id] = [mx.concatenate(history)[-self.replay_rows :]]
 
     def summary(self) -> dict:
         s = self.stats

@@ -10,7 +10,8 @@ import mlx.core as mx
 
 from .drafter import Drafter
 
-# Rows of taps kept for a drafter that went away, replayed as its context when it returns.
+# The most context rows a sequence keeps for its drafter (engine/taps.py), and so the most it
+# sends at once: after a long prompt, or to a drafter that lost its context (a restart).
 MAX_PENDING_TAP_ROWS = 4096
 
 
@@ -24,11 +25,13 @@ class DraftPeer(Protocol):
     A peer in another process is `pipelined`: it also has `submit` (same arguments as `draft`,
     returns a handle at once), `collect(handle) -> hidden` and `discard(handle)`, so that the
     decoder can ask for a sequence's next block as soon as a round's tokens are accepted and
-    roll back its caches while the drafter computes."""
+    roll back its caches while the drafter computes. `open` says whether the session starts
+    empty (then the decoder sends the context it keeps again), and any call may raise
+    `DraftUnavailable`, after which the decoder opens the sequence again."""
 
     pipelined: bool
 
-    def open(self, seq_id: str) -> None: ...
+    def open(self, seq_id: str) -> bool: ...
 
     def draft(
         self, seq_id: str, new_taps: mx.array | None, block_embeds: mx.array, start: int
@@ -49,8 +52,9 @@ class LocalDraftPeer:
         self.body = drafter.body
         self.caches: dict[str, list] = {}
 
-    def open(self, seq_id: str) -> None:
+    def open(self, seq_id: str) -> bool:
         self.caches[seq_id] = self.body.make_cache()
+        return True  # a fresh context
 
     def draft(self, seq_id, new_taps, block_embeds, start):
         if seq_id not in self.caches:

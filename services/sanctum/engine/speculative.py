@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -33,6 +33,7 @@ from .sampling import (
     probabilities,
     sample,
 )
+from .taps import TapLog
 from .target import Target, VerifyTape, cache_offset
 
 
@@ -62,23 +63,37 @@ class Step:
     finish_reason: str | None = None  # "stop" | "length" once finished
 
 
+GREEDY = SamplingParams()
+# (completion so far, new tokens) -> how many of the new tokens to keep, and whether to stop
+StopCheck = Callable[[list[int], list[int]], tuple[int, bool]]
+
+
 @dataclass
 class Sequence:
-    """One request's live state on the verifier."""
+    """One request's live state on the verifier, and what the request fixed for all its rounds."""
 
     seq_id: str
     cache: list  # target caches, one per layer
     # the tokens the cache holds, in order (and the anchor too while `ahead` is set)
     cached_tokens: list[int]
+    taps: TapLog  # the drafter's context rows: what it has, what is pending, what is saved
+    sampling: SamplingParams = GREEDY
+    max_tokens: int = 64
+    eos_ids: frozenset[int] = frozenset()
+    stop_check: StopCheck | None = None  # stop sequences
     anchor: int | None = None  # last committed token, not yet run through the target
     completion: list[int] = field(default_factory=list)
-    pending_taps: list[mx.array] = field(default_factory=list)  # taps not yet sent to the drafter
-    tap_history: list[mx.array] = field(default_factory=list)  # all taps (for the prompt cache)
     draft_open: bool = False
     finished: str | None = None
     last_tape: VerifyTape | None = None  # the latest verify pass (a later truncation can reuse it)
     prefetch: Prefetch | None = None  # the next block's draft, already asked of a pipelined peer
     ahead: Ahead | None = None  # the anchor's plain step, already queued on the device
+
+    @property
+    def pending_taps(self) -> list[mx.array]:
+        """The context rows the drafter has not been sent yet ([C, n_taps * H], or none)."""
+        rows = self.taps.unsent()
+        return [] if rows is None else [rows]
 
 
 @dataclass
@@ -94,13 +109,9 @@ class Prefetch:
     """A draft submitted ahead of its round."""
 
     handle: object  # the peer's
-    taps: list[mx.array]  # the context rows it carries: pending again if it fails
+    sent_before: int  # the taps' `sent` before it: its context rows are pending again if it fails
     start: int  # the anchor's position it was asked for
     anchor: int
-
-
-# (completion so far, new tokens) -> how many of the new tokens to keep, and whether to stop
-StopCheck = Callable[[list[int], list[int]], tuple[int, bool]]
 
 
 class Decoder:
@@ -123,15 +134,27 @@ class Decoder:
         # window, so a long prompt hands it (and sends across processes) only that many rows
         seen = self.cfg.context_rows_needed() if self.cfg else None
         self.max_pending_rows = min(MAX_PENDING_TAP_ROWS, seen or MAX_PENDING_TAP_ROWS)
-        self.keep_tap_history = False  # the prompt cache saves the drafter's context
         self.pipelined = bool(getattr(self.peer, "pipelined", False)) and self.block_size > 1
         self.profile = False  # sync after each phase of a round (accurate split, slower)
         if self.cfg is not None:
             self.mask_embed = target.embed_tokens(mx.array([self.cfg.mask_token_id]))  # [1, H]
 
     # ---- sequence lifecycle ------------------------------------------------------------
-    def new_sequence(self, seq_id: str, kv_mode: str = "fp16") -> Sequence:
-        return Sequence(seq_id, self.target.make_cache(kv_mode), [])
+    def new_sequence(
+        self,
+        seq_id: str,
+        kv_mode: str = "fp16",
+        sampling: SamplingParams = GREEDY,
+        max_tokens: int = 64,
+        eos_ids: Iterable[int] = (),
+        stop_check: StopCheck | None = None,
+        keep_taps: bool = False,
+    ) -> Sequence:
+        """An empty sequence with its request's constants; `keep_taps`: keep every tap row
+        (the prompt cache saves them)."""
+        taps = TapLog(self.max_pending_rows, keep_all=keep_taps)
+        return Sequence(seq_id, self.target.make_cache(kv_mode), [], taps, sampling, max_tokens,
+                        frozenset(eos_ids), stop_check)  # fmt: skip
 
     def prefill(
         self,
@@ -148,44 +171,28 @@ class Decoder:
         )
         seq.cached_tokens.extend(tokens)
         if self.head is not None:
-            self.queue_taps(seq, taps)
+            seq.taps.add(taps)
         return logits
 
-    def start(
-        self,
-        seq: Sequence,
-        logits: mx.array,
-        params: SamplingParams,
-        max_tokens: int,
-        eos_ids: set[int],
-        key: mx.array,
-    ) -> Step:
+    def start(self, seq: Sequence, logits: mx.array, key: mx.array) -> Step:
         """Commit the first token from the prefill logits."""
-        token = self._sample_one(logits, params, key)
-        step = self._commit(seq, [token], max_tokens, eos_ids, None, stats=None)
+        token = self._sample_one(logits, seq.sampling, key)
+        step = self._commit(seq, [token], None, stats=None)
         self._prefetch(seq, cache_offset(seq.cache))
-        if self._runs_ahead(params) and seq.finished is None:
+        if self._runs_ahead(seq.sampling) and seq.finished is None:
             seq.ahead = self._queue_step(seq, mx.array([seq.anchor]))
         return step
 
-    def step(
-        self,
-        seq: Sequence,
-        params: SamplingParams,
-        max_tokens: int,
-        eos_ids: set[int],
-        key: mx.array,
-        stop_check: StopCheck | None = None,
-    ) -> Step:
+    def step(self, seq: Sequence, key: mx.array) -> Step:
         """One round: speculative when possible, else one plain token."""
         if self.peer is not None and self.block_size > 1:
             try:
-                return self._speculative_round(seq, params, max_tokens, eos_ids, key, stop_check)
+                return self._speculative_round(seq, key)
             except DraftUnavailable:
                 seq.draft_open = False  # the next round reopens it on a restarted drafter
-        if self._runs_ahead(params):
-            return self._plain_step_ahead(seq, max_tokens, eos_ids, stop_check)
-        return self._plain_step(seq, params, max_tokens, eos_ids, key, stop_check)
+        if self._runs_ahead(seq.sampling):
+            return self._plain_step_ahead(seq)
+        return self._plain_step(seq, key)
 
     def committed_state(self, seq: Sequence) -> tuple[int, list[tuple[mx.array, mx.array]]]:
         """(tokens, GDN states) of the committed cache, without a queued step undone."""
@@ -206,38 +213,21 @@ class Decoder:
         seq.draft_open = False
 
     # ---- internals ---------------------------------------------------------------------
-    def queue_taps(self, seq: Sequence, taps: list[mx.array] | mx.array) -> None:
-        """Taps of rows now in the target cache: context the drafter has not seen yet."""
-        taps = taps if isinstance(taps, list) else [taps]
-        seq.pending_taps.extend(taps)
-        if self.keep_tap_history:
-            seq.tap_history.extend(taps)
-        rows = sum(t.shape[0] for t in seq.pending_taps)
-        if rows > self.max_pending_rows:
-            joined = mx.concatenate(seq.pending_taps)[-self.max_pending_rows :]
-            seq.pending_taps = [joined]
-
     def _sample_one(self, logits: mx.array, params: SamplingParams, key: mx.array) -> int:
         if params.greedy:
             return int(greedy_tokens(logits[-1:])[0].item())
         return int(sample(probabilities(logits[-1:], params), key)[0].item())
 
     def _commit(
-        self,
-        seq: Sequence,
-        new: list[int],
-        max_tokens: int,
-        eos_ids: set[int],
-        stop_check: StopCheck | None,
-        stats: RoundStats | None,
+        self, seq: Sequence, new: list[int], stop_check: StopCheck | None, stats: RoundStats | None
     ) -> Step:
-        """Apply EOS, max_tokens and stop sequences to `new`; returns the step."""
+        """Apply EOS, max_tokens and `stop_check` to `new`; returns the step."""
         keep, reason = len(new), None
         for j, t in enumerate(new):
-            if t in eos_ids:
+            if t in seq.eos_ids:
                 keep, reason = j, "stop"
                 break
-        budget = max_tokens - len(seq.completion)
+        budget = seq.max_tokens - len(seq.completion)
         if keep >= budget:
             keep, reason = budget, reason or "length"
         if stop_check is not None and keep > 0:
@@ -254,15 +244,15 @@ class Decoder:
             stats.committed = len(kept)
         return Step(kept, stats, reason)
 
-    def _plain_step(self, seq, params, max_tokens, eos_ids, key, stop_check) -> Step:
+    def _plain_step(self, seq: Sequence, key: mx.array) -> Step:
         t0 = time.perf_counter()
         logits, taps = self.target.forward(mx.array([seq.anchor]), seq.cache, self.tap_ids)
-        token = self._sample_one(logits, params, key)
+        token = self._sample_one(logits, seq.sampling, key)
         seq.cached_tokens.append(seq.anchor)
         if taps is not None:
-            self.queue_taps(seq, taps)
+            seq.taps.add(taps)
         t1 = time.perf_counter()
-        step = self._commit(seq, [token], max_tokens, eos_ids, stop_check, RoundStats(1, 0, 0))
+        step = self._commit(seq, [token], seq.stop_check, RoundStats(1, 0, 0))
         step.stats.verify_s, step.stats.other_s = t1 - t0, time.perf_counter() - t1
         return step
 
@@ -283,7 +273,7 @@ class Decoder:
             self.target.truncate(seq.cache, cache_offset(seq.cache) - 1, seq.ahead.states)
             seq.ahead = None
 
-    def _plain_step_ahead(self, seq, max_tokens, eos_ids, stop_check) -> Step:
+    def _plain_step_ahead(self, seq: Sequence) -> Step:
         """A greedy plain step whose forward is already queued; queues the next one (on the lazy
         token) before reading this one. A next step the commit does not want is undone."""
         t0 = time.perf_counter()
@@ -292,11 +282,11 @@ class Decoder:
             ahead = self._queue_step(seq, mx.array([seq.anchor]))
         seq.cached_tokens.append(seq.anchor)
         nxt = None
-        if len(seq.completion) + 1 < max_tokens:  # else this token ends the request
+        if len(seq.completion) + 1 < seq.max_tokens:  # else this token ends the request
             nxt = self._queue_step(seq, ahead.token[None])
         token = int(ahead.token.item())
         t1 = time.perf_counter()
-        step = self._commit(seq, [token], max_tokens, eos_ids, stop_check, RoundStats(1, 0, 0))
+        step = self._commit(seq, [token], seq.stop_check, RoundStats(1, 0, 0))
         if nxt is not None:
             seq.ahead = nxt  # its input is the token just committed, the new anchor
             if seq.finished is not None:
@@ -306,7 +296,8 @@ class Decoder:
 
     def _open_draft(self, seq: Sequence) -> None:
         if not seq.draft_open:
-            self.peer.open(seq.seq_id)
+            if self.peer.open(seq.seq_id):  # a fresh session: the context goes again
+                seq.taps.resend()
             seq.draft_open = True
 
     def _block_embeds(self, anchor: int) -> mx.array:
@@ -319,16 +310,15 @@ class Decoder:
         next round; the caller goes on (rollback, streaming) while the drafter computes."""
         if not self.pipelined or seq.finished is not None or seq.prefetch is not None:
             return
-        taps = seq.pending_taps
         try:
             self._open_draft(seq)
-            new_taps = mx.concatenate(taps) if taps else None
-            handle = self.peer.submit(seq.seq_id, new_taps, self._block_embeds(seq.anchor), start)
+            embeds = self._block_embeds(seq.anchor)
+            handle = self.peer.submit(seq.seq_id, seq.taps.unsent(), embeds, start)
         except DraftUnavailable:
             seq.draft_open = False
             return  # the taps stay pending; the next round drafts (or steps plainly) as usual
-        seq.pending_taps = []
-        seq.prefetch = Prefetch(handle, taps, start, seq.anchor)
+        seq.prefetch = Prefetch(handle, seq.taps.sent, start, seq.anchor)
+        seq.taps.sent = seq.taps.end
 
     def _collect_prefetch(self, seq: Sequence, start: int) -> mx.array | None:
         """The prefetched block's hidden states, or None when there is none."""
@@ -337,16 +327,15 @@ class Decoder:
             return None
         if pf.start != start or pf.anchor != seq.anchor:  # cannot happen; never draft on it
             self.peer.discard(pf.handle)
-            seq.pending_taps[:0] = pf.taps
+            seq.taps.sent = pf.sent_before
             self.peer.close(seq.seq_id)  # its context now holds rows the cache may not
-            # reopened by the next draft with a shorter context: poorer drafts for a while,
-            # the same output (the target decides every token)
+            # reopened by the next draft (the output is the same: the target decides)
             seq.draft_open = False
             raise DraftUnavailable("prefetched draft does not match the sequence; redrafting")
         try:
             return self.peer.collect(pf.handle)
         except DraftUnavailable:
-            seq.pending_taps[:0] = pf.taps  # not seen by any drafter: send them again
+            seq.taps.sent = pf.sent_before  # not seen by any drafter: send them again
             raise
 
     def _draft(self, seq: Sequence, params: SamplingParams, key: mx.array):
@@ -355,10 +344,9 @@ class Decoder:
         hidden = self._collect_prefetch(seq, start)
         if hidden is None:
             self._open_draft(seq)
-            new_taps = mx.concatenate(seq.pending_taps) if seq.pending_taps else None
             block_embeds = self._block_embeds(seq.anchor)
-            hidden = self.peer.draft(seq.seq_id, new_taps, block_embeds, start)  # [L-1, H]
-            seq.pending_taps = []
+            hidden = self.peer.draft(seq.seq_id, seq.taps.unsent(), block_embeds, start)  # [L-1, H]
+            seq.taps.sent = seq.taps.end
         logits = self.head.logits(cuda.pad_rows(hidden))[: hidden.shape[0]]  # [L-1, V]
         if self.cfg.is_v2:
             temp = 0.0 if params.greedy else params.temperature
@@ -378,7 +366,8 @@ class Decoder:
             return accept_greedy(drafts, logits)
         return accept_sampled(drafts, q, probabilities(logits, params), key)
 
-    def _speculative_round(self, seq, params, max_tokens, eos_ids, key, stop_check) -> Step:
+    def _speculative_round(self, seq: Sequence, key: mx.array) -> Step:
+        params = seq.sampling
         k_draft, k_accept = mx.random.split(key)
         base = cache_offset(seq.cache)
         t0 = time.perf_counter()
@@ -393,13 +382,11 @@ class Decoder:
         t2 = time.perf_counter()
         block_ids = block.tolist()
         stats = RoundStats(self.block_size, accepted, 0, t1 - t0, t2 - t1)
-        step = self._commit(
-            seq, block_ids[1 : accepted + 1] + [bonus], max_tokens, eos_ids, stop_check, stats
-        )
+        step = self._commit(seq, block_ids[1 : accepted + 1] + [bonus], seq.stop_check, stats)
         t3 = time.perf_counter()
         # the cache keeps the anchor and the committed tokens but the last (the next anchor)
         keep = len(step.tokens)
-        self.queue_taps(seq, taps[:keep])
+        seq.taps.add(taps[:keep])
         self._prefetch(seq, base + keep)  # the drafter starts on the next block meanwhile
         t_roll = time.perf_counter()
         stats.draft_s += t_roll - t3
@@ -440,15 +427,14 @@ def generate(
     decoder = Decoder(target, drafter, LocalDraftPeer(drafter) if drafter else None, block_size)
     decoder.profile = profile
     eos = set(target.tokenizer.eos_token_ids) if eos_ids is None else eos_ids
-    seq = decoder.new_sequence("local", kv_mode)
+    seq = decoder.new_sequence("local", kv_mode, sampling, max_tokens, eos, stop_check)
     key = make_key(sampling.seed)
     try:
         logits = decoder.prefill(seq, list(prompt_ids))
         key, sub = mx.random.split(key)
-        step = decoder.start(seq, logits, sampling, max_tokens, eos, sub)
-        yield step
+        yield decoder.start(seq, logits, sub)
         while seq.finished is None:
             key, sub = mx.random.split(key)
-            yield decoder.step(seq, sampling, max_tokens, eos, sub, stop_check)
+            yield decoder.step(seq, sub)
     finally:
         decoder.close(seq)

@@ -130,7 +130,8 @@ def cache_stats(store: PromptStore | None) -> CacheStats:
 def entry_infos(store: PromptStore, model_key: str = "") -> list[EntryInfo]:
     """The saved entries (of one model and KV format, or all)."""
     return [
-        EntryInfo(e.entry_id, e.model_key, e.kv_mode, len(e.tokens), sorted(e.rungs), e.nbytes,
-                  e.created)  # fmt: skip
+        EntryInfo(
+            e.entry_id, e.model_key, e.kv_mode, len(e.tokens), sorted(e.rungs), e.nbytes, e.created
+        )
         for e in store.entries(model_key or None)
     ]

@@ -152,7 +152,6 @@ class Verifier:
     ):
         self.target = target
         self.decoder = Decoder(target, drafter, peer, block_size)
-        self.decoder.keep_tap_history = store is not None
         self.store = store
         self.ladder_depth = ladder_depth
         self.kv_mode = kv_mode
@@ -202,15 +201,21 @@ class Verifier:
         other requests' rounds between)."""
         req, prompt_ids, starts = prep.req, prep.prompt_ids, prep.message_starts
         kv = req.kv_mode or self.kv_mode
-        seq = self.decoder.new_sequence(req.request_id, kv)
+        cached = self.store is not None and req.use_cache
+        stream = TextStream(self.target.tokenizer, list(req.stop))
+        # the request's constants, on its sequence: the sampling parameters built (and checked) once
+        seq = self.decoder.new_sequence(req.request_id, kv, req.sampling(), req.max_tokens,
+                                        self.eos_ids, stream.check, keep_taps=cached)  # fmt: skip
         plan = ResumePlan(0, 0)
-        if self.store is not None and req.use_cache:
+        if cached:
             plan = self._plan(kv, prompt_ids)
         if plan.resumed_at:
             restore_into(self.target, seq.cache, plan)
             seq.cached_tokens = list(prompt_ids[: plan.resumed_at])
             if plan.taps is not None and self.decoder.head is not None:
-                self.decoder.queue_taps(seq, plan.taps)
+                seq.taps.add(plan.taps)
+            else:  # not saved with the entry: the drafter's context starts here
+                seq.taps.start_at(plan.resumed_at)
         usage = Usage(
             prompt_tokens=len(prompt_ids),
             cached_tokens=plan.resumed_at,
@@ -220,11 +225,11 @@ class Verifier:
             kv=kv,
             mode=mode,
         )
-        act = Active(req, seq, TextStream(self.target.tokenizer, list(req.stop)),
-                     make_key(req.seed), usage, prompt_ids, starts, plan, started=prep.started)  # fmt: skip
+        act = Active(req, seq, stream, make_key(req.seed), usage, prompt_ids, starts, plan,
+                     started=prep.started)  # fmt: skip
         if self.store is not None:
             act.stops = prefill_stops(self.ladder_depth, len(prompt_ids), plan.resumed_at, starts)
-        if self.store is not None and req.use_cache and req.messages is not None:
+        if cached and req.messages is not None:
             act.watch = ReencodingWatch(len(prompt_ids), Reencoder(self.target.tokenizer))
         log.info(
             "ladder resume: kv=%s mode=%s prompt_tokens=%d requested_lcp=%d resumed_at=%d "
@@ -251,8 +256,7 @@ class Verifier:
         if end < len(act.prompt_ids):
             return None
         act.key, sub = mx.random.split(act.key)
-        req = act.req
-        step = self.decoder.start(seq, logits, req.sampling(), req.max_tokens, self.eos_ids, sub)
+        step = self.decoder.start(seq, logits, sub)
         act.usage.ttft_s = round(time.perf_counter() - act.started, 6)
         return self._chunk(act, step)
 
@@ -260,9 +264,7 @@ class Verifier:
         """One round (speculative, or one plain token)."""
         act.key, sub = mx.random.split(act.key)
         before = self.decoder.committed_state(act.seq)[0]
-        step = self.decoder.step(
-            act.seq, act.req.sampling(), act.req.max_tokens, self.eos_ids, sub, act.stream.check
-        )
+        step = self.decoder.step(act.seq, sub)
         if act.watch is not None and not act.watch.done:
             act.watch.observe(self.decoder, act.seq, before, step)
         s = step.stats
@@ -313,7 +315,7 @@ class Verifier:
             captured[next_turn_end] = act.watch.state
         rungs = choose_rungs(self.ladder_depth, len(act.prompt_ids), end, act.message_starts,
                              captured, act.plan.rungs, next_turn_end)  # fmt: skip
-        taps = mx.concatenate(seq.tap_history) if seq.tap_history else None
+        taps = seq.taps.all()
         if taps is not None and taps.shape[0] != end:
             taps = None  # incomplete history (e.g. resumed without taps): the drafter restarts cold
         kv = act.usage.kv
