@@ -33,7 +33,6 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from ..serving.errors import QueueFull, Unavailable
-from ..serving.requests import validate
 from ..settings import ConnectionLimits
 from ..wire.convert import (
     chunk_to_proto,
@@ -41,6 +40,7 @@ from ..wire.convert import (
     request_from_proto,
     round_of,
     stats_to_proto,
+    usage_to_proto,
 )
 from ..wire.errors import grpc_status
 from ..wire.gen import inference_pb2 as pb
@@ -107,10 +107,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def _open(self, request: pb.GenerateRequest, mode: str, deadline: float | None):
         """On a generation thread: the request's id and its chunk iterator (raises at once for
-        bad input, a full queue, a restarting verifier)."""
+        a full queue or a restarting verifier; bad input is the serving core's to refuse, once,
+        before tokenization: serving/requests.py `validate`)."""
         req = request_from_proto(request)
-        if self.backend.limits is not None:
-            validate(req, self.backend.limits)  # here too: bad input never reaches a role
         return req.request_id, iter(self.backend.submit(req, mode, deadline))
 
     async def _chunks(self, request, context, mode: str):
@@ -190,16 +189,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """The whole completion in one message."""
         out, index = pb.CompleteResponse(), 0
         async with contextlib.aclosing(self._chunks(request, context, "sync")) as chunks:
-            async for chunk in chunks:
-                m = chunk_to_proto(chunk, index)
-                out.text += m.text
-                out.token_ids.extend(m.token_ids)
+            async for chunk in chunks:  # each converted once, into the one response
+                out.text += chunk.text
+                out.token_ids.extend(chunk.token_ids)
                 if index:
-                    out.rounds.add(**round_of(m))
-                if m.finish_reason:
-                    out.finish_reason = m.finish_reason
-                if m.HasField("usage"):
-                    out.usage.CopyFrom(m.usage)
+                    out.rounds.add(**round_of(chunk))
+                if chunk.finish_reason:
+                    out.finish_reason = chunk.finish_reason
+                if chunk.usage is not None:
+                    out.usage.CopyFrom(usage_to_proto(chunk.usage))
                 index += 1
         return out
 

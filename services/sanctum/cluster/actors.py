@@ -28,7 +28,6 @@ import numpy as np
 import ray
 
 from ..serving.inline import RoundDelay, make_verifier
-from ..serving.requests import Limits
 from ..serving.stats import CacheStats, EntryInfo, Stats, serving_stats
 from ..settings import CacheSettings, RoleProcesses, ServeSettings
 from ..wire.convert import request_from_proto
@@ -196,9 +195,8 @@ class VerifierActor:
         log.info("verifier: %s loaded; drafter transport %s", settings.engine.model,
                  self.peer.kind if self.peer else "none")  # fmt: skip
 
-    def ready(self) -> Limits:
-        """The request limits, once the models are loaded."""
-        return self.verifier.limits
+    def ready(self) -> None:
+        """Answers once the models are loaded (the constructor waits for them)."""
 
     def events_address(self) -> tuple[str, bytes, str]:
         """(Unix socket, authkey, node id): a front end on this host takes its requests' events

@@ -19,7 +19,6 @@ import ray
 
 from ..serving.errors import InternalError, Unavailable
 from ..serving.inline import RoundDelay
-from ..serving.requests import Limits
 from ..serving.stats import CacheStats, EntryInfo, Stats
 from ..settings import RoleProcesses, ServeSettings
 from ..wire.convert import chunk_from_proto, request_to_proto
@@ -104,7 +103,6 @@ class ClusterBackend:
         self.settings = settings
         self.verifier, self.drafter, self.store = verifier, drafter, store
         self.on_health = None  # callable(bool): the server flips health while the verifier restarts
-        self.limits: Limits | None = None
         self._watching = threading.Lock()
         self._restarting = False  # from the verifier's death until it serves again
         self._closing = False
@@ -117,7 +115,7 @@ class ClusterBackend:
 
     def ready(self, timeout: float | None = None) -> None:
         """Block until the verifier (and through it the drafter and store) has loaded."""
-        self.limits = ray.get(self.verifier.ready.remote(), timeout=timeout)
+        ray.get(self.verifier.ready.remote(), timeout=timeout)
         self._event_client(timeout)
         self._restarting = False
         if self.events_path == "ray" and self._probe is None:
@@ -169,8 +167,8 @@ class ClusterBackend:
     def submit(self, req, mode: str = "streaming", deadline: float | None = None):
         if self._restarting:  # fail fast: waiting for the restart would hold the caller ~15 s
             raise Unavailable("the verifier is restarting; retry shortly")
-        sub = roles.Submit(request=request_to_proto(req), request_id=req.request_id, mode=mode,
-                           deadline_unix=deadline or 0.0)  # fmt: skip
+        sub = roles.Submit(request_id=req.request_id, mode=mode, deadline_unix=deadline or 0.0)
+        request_to_proto(req, out=sub.request)
         events = self._event_client()
         if events is None:
             stream = self.verifier.generate.options(num_returns="streaming").remote(

@@ -108,10 +108,6 @@ class InlineBackend:
     def verifier(self):
         return self.scheduler.verifier
 
-    @property
-    def limits(self):
-        return self.verifier.limits if self.verifier is not None else None
-
     def submit(
         self, req: GenerateRequest, mode: str = "streaming", deadline: float | None = None
     ) -> Iterator[Chunk]:

@@ -66,10 +66,14 @@ def request_from_proto(m: pb.GenerateRequest, request_id: str | None = None) -> 
     )
 
 
-def request_to_proto(req: GenerateRequest) -> pb.GenerateRequest:
-    m = pb.GenerateRequest(max_tokens=req.max_tokens, stop=list(req.stop),
-                           kv_mode=_KV_BACK.get(req.kv_mode or None, pb.KV_MODE_UNSPECIFIED),
-                           use_cache=req.use_cache, request_id=req.request_id)  # fmt: skip
+def request_to_proto(
+    req: GenerateRequest, out: pb.GenerateRequest | None = None
+) -> pb.GenerateRequest:
+    """`req` as the public message; filled into `out` when given (no copy)."""
+    m = pb.GenerateRequest() if out is None else out
+    m.max_tokens, m.use_cache, m.request_id = req.max_tokens, req.use_cache, req.request_id
+    m.kv_mode = _KV_BACK.get(req.kv_mode or None, pb.KV_MODE_UNSPECIFIED)
+    m.stop.extend(req.stop)
     if req.prompt is not None:
         m.text = req.prompt
     elif req.prompt_ids is not None:
@@ -112,8 +116,9 @@ def chunk_from_proto(m: pb.GenerateResponse) -> Chunk:
                  usage_from_proto(m.usage) if m.HasField("usage") else None)  # fmt: skip
 
 
-def round_of(m: pb.GenerateResponse) -> dict:
-    """The seed's per-round line for a response (index >= 1): bs, accepted, committed."""
+def round_of(m: pb.GenerateResponse | Chunk) -> dict:
+    """The seed's per-round line for a response or a chunk (index >= 1): bs, accepted,
+    committed."""
     return {"bs": m.drafted + 1 if m.drafted else 1, "accepted": m.accepted,
             "committed": len(m.token_ids)}  # fmt: skip
 
