@@ -25,6 +25,7 @@ import mlx.core as mx
 import msgpack
 import numpy as np
 
+from .layout import EntryLayout, flatten, unflatten
 from .radix import RadixTree
 
 log = logging.getLogger("sanctum.cache")
@@ -194,16 +195,8 @@ class PromptStore:
     def _write(self, entry: CacheEntry) -> None:
         """safetensors for tensors, msgpack for metadata; each written to a temp name, then
         renamed, the metadata last (an entry without metadata is ignored at load)."""
-        tensors: dict[str, mx.array] = {}
-        for i, layer in enumerate(entry.kv):
-            for j, a in enumerate(layer):
-                tensors[f"kv.{i}.{j}"] = a
-        for pos, states in entry.rungs.items():
-            for i, (conv, state) in enumerate(states):
-                tensors[f"rung.{pos}.{i}.conv"] = conv
-                tensors[f"rung.{pos}.{i}.state"] = state
-        if entry.taps is not None:
-            tensors["taps"] = entry.taps
+        layout, arrays = flatten(entry.kv, entry.rungs, entry.taps)
+        tensors = dict(zip(layout.names(), arrays, strict=True))
         base = self.directory / entry.entry_id
         tmp = base.with_suffix(".tmp.safetensors")
         mx.save_safetensors(str(tmp), tensors)
@@ -215,10 +208,10 @@ class PromptStore:
             "model_key": entry.model_key,
             "kv_mode": entry.kv_mode,
             "tokens": entry.tokens.astype(np.int32).tobytes(),
-            "kv_layers": [len(layer) for layer in entry.kv],
-            "rungs": sorted(entry.rungs),
-            "gdn_layers": len(next(iter(entry.rungs.values()), [])),
-            "has_taps": entry.taps is not None,
+            "kv_layers": list(layout.kv_layers),
+            "rungs": list(layout.rungs),
+            "gdn_layers": layout.gdn_layers,
+            "has_taps": layout.has_taps,
             "created": entry.created,
             "digest": digest,
         }
@@ -256,22 +249,14 @@ class PromptStore:
             raise ValueError("tensor file does not match its checksum (truncated or corrupt)")
         tensors = mx.load(str(tensor_file))
         tokens = np.frombuffer(meta["tokens"], dtype=np.int32).copy()
-        kv = [
-            tuple(tensors[f"kv.{i}.{j}"] for j in range(n)) for i, n in enumerate(meta["kv_layers"])
-        ]
+        layout = EntryLayout(tuple(meta["kv_layers"]), tuple(int(p) for p in meta["rungs"]),
+                             meta["gdn_layers"], meta["has_taps"])  # fmt: skip
+        kv, rungs, taps = unflatten(layout, [tensors[name] for name in layout.names()])
         for layer in kv:
             if any(a.shape[-2] != len(tokens) for a in layer if a.ndim == 4):
                 raise ValueError("KV length does not match the token count")
-        rungs = {
-            int(p): [
-                (tensors[f"rung.{p}.{i}.conv"], tensors[f"rung.{p}.{i}.state"])
-                for i in range(meta["gdn_layers"])
-            ]
-            for p in meta["rungs"]
-        }
         if any(p > len(tokens) for p in rungs):
             raise ValueError("a rung lies beyond the entry's tokens")
-        taps = tensors["taps"] if meta["has_taps"] else None
         return CacheEntry(meta["model_key"], meta["kv_mode"], tokens, kv, rungs, taps,
                           entry_id=meta_file.stem, created=float(meta["created"]))  # fmt: skip
 

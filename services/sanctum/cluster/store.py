@@ -20,7 +20,7 @@ import numpy as np
 from ..cache.store import CacheEntry, PromptStore, ResumePlan
 from ..serving.stats import CacheStats, EntryInfo, cache_stats, entry_infos
 from ..wire.gen import roles_pb2 as roles
-from ..wire.tensors import _host, flatten, unflatten
+from ..wire.tensors import flatten, host_copies, unflatten
 
 log = logging.getLogger("sanctum.store")
 
@@ -44,7 +44,7 @@ class StoreService:
         layout, arrays = flatten(plan.kv, plan.rungs, plan.taps)
         header = roles.ResumePlanHeader(requested_lcp=plan.requested_lcp, resumed_at=plan.resumed_at,
                                         entry_id=plan.entry_id or "", layout=layout)  # fmt: skip
-        return header.SerializeToString(), _host(arrays)
+        return header.SerializeToString(), host_copies(arrays)
 
     def put(self, header: bytes, arrays: list[np.ndarray]) -> str:
         h = roles.EntryHeader.FromString(header)
@@ -143,4 +143,4 @@ class StoreProxy:
         header = roles.EntryHeader(model_key=entry.model_key, kv_mode=entry.kv_mode,
                                    tokens=entry.tokens.tolist(), layout=layout,
                                    created=entry.created)  # fmt: skip
-        self.handle.put.remote(header.SerializeToString(), ray.put(_host(arrays)))
+        self.handle.put.remote(header.SerializeToString(), ray.put(host_copies(arrays)))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ..cache import layout as entry_layout
+from ..cache.layout import KV, EntryLayout, Rungs
 from .gen import roles_pb2 as roles
 
 _NP = {
@@ -38,33 +40,27 @@ def from_numpy(x: np.ndarray, dtype: str) -> mx.array:
     return a.view(mx.bfloat16) if dtype == "bfloat16" else a
 
 
-def flatten(kv: list[tuple], rungs: dict, taps) -> tuple[roles.TensorLayout, list[mx.array]]:
-    """KV layers, rungs (ascending position, (conv, state) per GDN layer), taps -> flat list."""
-    arrays = [a for layer in kv for a in layer]
-    positions = sorted(rungs)
-    for p in positions:
-        arrays.extend(x for pair in rungs[p] for x in pair)
-    if taps is not None:
-        arrays.append(taps)
-    layout = roles.TensorLayout(
-        kv_layers=[len(layer) for layer in kv],
-        rungs=positions,
-        gdn_layers=len(rungs[positions[0]]) if positions else 0,
-        has_taps=taps is not None,
-        dtypes=[dtype_name(a.dtype) for a in arrays],
-    )
-    return layout, arrays
+def flatten(
+    kv: KV, rungs: Rungs, taps: mx.array | None
+) -> tuple[roles.TensorLayout, list[mx.array]]:
+    """An entry's tensors as a flat list (cache/layout.py) and its TensorLayout, with dtypes."""
+    layout, arrays = entry_layout.flatten(kv, rungs, taps)
+    wire = roles.TensorLayout(kv_layers=layout.kv_layers, rungs=layout.rungs,
+                              gdn_layers=layout.gdn_layers, has_taps=layout.has_taps,
+                              dtypes=[dtype_name(a.dtype) for a in arrays])  # fmt: skip
+    return wire, arrays
 
 
-def unflatten(layout: roles.TensorLayout, arrays: list[np.ndarray]):
-    """The inverse of `flatten`, as MLX arrays: (kv, rungs, taps)."""
-    xs = iter(from_numpy(x, d) for x, d in zip(arrays, layout.dtypes))
-    kv = [tuple(next(xs) for _ in range(n)) for n in layout.kv_layers]
-    rungs = {int(p): [(next(xs), next(xs)) for _ in range(layout.gdn_layers)] for p in layout.rungs}
-    taps = next(xs) if layout.has_taps else None
-    return kv, rungs, taps
+def unflatten(
+    layout: roles.TensorLayout, arrays: list[np.ndarray]
+) -> tuple[KV, Rungs, mx.array | None]:
+    """The inverse of `flatten` over numpy arrays from another process: (kv, rungs, taps)."""
+    plain = EntryLayout(tuple(layout.kv_layers), tuple(int(p) for p in layout.rungs),
+                        layout.gdn_layers, layout.has_taps)  # fmt: skip
+    return entry_layout.unflatten(plain, [from_numpy(x, d) for x, d in zip(arrays, layout.dtypes)])
 
 
-def _host(arrays: list[mx.array]) -> list[np.ndarray]:
+def host_copies(arrays: list[mx.array]) -> list[np.ndarray]:
+    """Evaluated numpy copies of `arrays` that the Ray object store may own."""
     mx.eval(arrays)
     return [np.array(to_numpy(a)) for a in arrays]  # own copies: the object store takes them
