@@ -1,5 +1,6 @@
 """Ladder policy: where recurrent-state rungs go, and how a live target cache becomes a saved
-entry and back.
+entry and back (through mlx-lm's cache `state` protocol; the target says which layers are
+attention and which Gated DeltaNet).
 
 Rungs can only sit at forward-call boundaries, so the positions are chosen BEFORE prefill and
 prefill stops at them. Priorities (HYBRID_CACHE.md): the prompt boundary (always, even when the
@@ -10,9 +11,11 @@ prompt fits one chunk: that was the seed's bug), the end of the completion, chat
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
+from mlx.utils import tree_flatten
 
+from .layout import KV, Rungs
 from .store import CacheEntry, ResumePlan
 
 
@@ -62,53 +65,52 @@ def choose_rungs(
     return chosen
 
 
-def snapshot_kv(cache: list) -> list[tuple]:
-    """The attention layers' KV, sliced to the tokens held (fresh arrays, safe to keep)."""
+def attention_caches(target, cache: list) -> list:
+    """The attention layers' caches (the others are Gated DeltaNet's: rungs hold their state)."""
+    return [c for c, gdn in zip(cache, target.is_gdn, strict=True) if not gdn]
+
+
+def snapshot_kv(target, cache: list) -> KV:
+    """The attention layers' KV through mlx-lm's cache protocol (`state`: keys, values, offset,
+    then a quantized cache's group size and bits), sliced to the tokens held: fresh arrays, safe
+    to keep. A layer's arrays: (keys, values), or 8-bit KV's three parts of each."""
     out = []
-    for c in cache:
-        if isinstance(c, ArraysCache):
-            continue
-        n = c.offset
-        if isinstance(c, QuantizedKVCache):
-            out.append(tuple(a[..., :n, :] for a in (*c.keys, *c.values)))
-        else:
-            out.append((c.keys[..., :n, :], c.values[..., :n, :]))
+    for c in attention_caches(target, cache):
+        keys, values, offset = c.state[:3]
+        out.append(tuple(a[..., :offset, :] for _, a in tree_flatten((keys, values))))
     return out
 
 
 def restore_into(target, cache: list, plan: ResumePlan) -> None:
     """Fill an empty live cache from a resume plan: KV trimmed to the rung, GDN state at it."""
-    kv = iter(plan.kv)
     n = plan.resumed_at
-    for c in cache:
-        if isinstance(c, ArraysCache):
-            continue
-        arrays = next(kv)
-        if isinstance(c, QuantizedKVCache):
-            if len(arrays) != 6:
-                raise ValueError("cache entry is not in Q8 format")
-            c.keys, c.values = tuple(arrays[:3]), tuple(arrays[3:])
-        elif isinstance(c, KVCache):
-            if len(arrays) != 2:
-                raise ValueError("cache entry is not in FP16 format")
-            c.keys, c.values = arrays
-        c.offset = n
+    for c, arrays in zip(attention_caches(target, cache), plan.kv, strict=True):
+        quantization = c.state[3:]  # (group size, bits) of an 8-bit cache; none in fp16
+        parts = 3 if quantization else 1  # per keys and values: (weights, scales, biases) in q8
+        if len(arrays) != 2 * parts:
+            raise ValueError(f"cache entry is not in {'Q8' if quantization else 'FP16'} format")
+        keys, values = tuple(arrays[:parts]), tuple(arrays[parts:])
+        if not quantization:
+            keys, values = keys[0], values[0]
+        c.state = (keys, values, n, *quantization)
     target.restore_recurrent_state(cache, plan.rungs[n])
 
 
 def make_entry(
+    target,
+    cache: list,
     model_key: str,
     kv_mode: str,
     tokens: list[int],
-    cache: list,
-    rungs: dict,
-    taps,
+    rungs: Rungs,
+    taps: mx.array | None,
 ) -> CacheEntry:
+    """A live sequence's cache as a new entry: its KV once, the chosen rungs, its taps."""
     return CacheEntry(
         model_key=model_key,
         kv_mode=kv_mode,
         tokens=np.asarray(tokens, dtype=np.int32),
-        kv=snapshot_kv(cache),
+        kv=snapshot_kv(target, cache),
         rungs=rungs,
         taps=taps,
     )

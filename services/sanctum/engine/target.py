@@ -184,7 +184,7 @@ class Target:
         for entry in tape.gdn:
             entry.rollback(keep)
         for c in cache:
-            if not isinstance(c, ArraysCache):
+            if c.is_trimmable():  # attention KV (mlx-lm's cache protocol); GDN state is not
                 c.trim(c.offset - (tape.start + keep))
         return [a for entry in tape.gdn for a in entry.cache.state if a is not None]
 
@@ -227,7 +227,7 @@ class Target:
         """Undo the last forward calls: attention KV trimmed to `offset` tokens, GDN layers back
         to `states` (what `recurrent_state` returned at that offset)."""
         for c in cache:
-            if not isinstance(c, ArraysCache) and c.offset > offset:
+            if c.is_trimmable() and c.offset > offset:
                 c.trim(c.offset - offset)
         self.restore_recurrent_state(cache, states)
 
@@ -273,7 +273,7 @@ def _residual_mlp(layer, h: mx.array, r: mx.array) -> mx.array:
 def cache_offset(cache: list) -> int:
     """Number of tokens the cache holds (attention offset, or GDN-only models: tracked lengths)."""
     for c in cache:
-        if not isinstance(c, ArraysCache):
+        if c.is_trimmable():  # attention KV (mlx-lm's cache protocol); GDN state is not
             return c.offset
     raise ValueError("GDN-only targets are not supported: no attention layer to count positions")
 

@@ -319,7 +319,8 @@ class Verifier:
         if taps is not None and taps.shape[0] != end:
             taps = None  # incomplete history (e.g. resumed without taps): the drafter restarts cold
         kv = act.usage.kv
-        entry = make_entry(self.model_key(kv), kv, seq.cached_tokens, seq.cache, rungs, taps)
+        entry = make_entry(self.target, seq.cache, self.model_key(kv), kv, seq.cached_tokens,
+                           rungs, taps)  # fmt: skip
         self.store.put(entry)
 
     def _chunk(self, act: Active, step) -> Chunk:
