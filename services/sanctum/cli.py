@@ -25,6 +25,7 @@ def cmd_generate(args) -> int:
     from .serving.inline import load_models
     from .settings import engine_settings, model_flags
     from .tokenizer import TextStream
+    from .wire.convert import rounds_tau
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     if args.server:
@@ -59,7 +60,7 @@ def cmd_generate(args) -> int:
             "tokens": tokens,
             "text": text,
             "rounds": rounds,
-            "tau": tau(rounds),
+            "tau": rounds_tau(rounds),
             "prompt_tokens": len(prompt_ids),
             "completion_tokens": len(tokens),
             "finish_reason": finish,
@@ -75,12 +76,6 @@ def cmd_generate(args) -> int:
     else:
         print(result["text"])
     return 0
-
-
-def tau(rounds: list[dict]) -> float | None:
-    """Mean acceptance length (accepted + 1) over speculative rounds; None without any."""
-    spec = [r for r in rounds if r["bs"] > 1]
-    return round(sum(r["accepted"] + 1 for r in spec) / len(spec), 4) if spec else None
 
 
 def cmd_make_tiny(args) -> int:

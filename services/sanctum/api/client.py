@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..settings import client_token
-from ..wire.convert import round_of
+from ..wire.convert import round_of, rounds_tau
 from ..wire.gen import inference_pb2 as pb
 from ..wire.gen import inference_pb2_grpc as pb_grpc
 
@@ -213,12 +213,11 @@ def generate_remote(server: str, args, sampling) -> dict:
         except grpc.RpcError as exc:
             raise ValueError(f"{server}: {exc.code().name}: {exc.details()}") from None
     elapsed = time.perf_counter() - t0
-    spec = [r for r in rounds if r["bs"] > 1]
     return {
         "tokens": tokens,
         "text": text,
         "rounds": rounds,
-        "tau": round(sum(r["accepted"] + 1 for r in spec) / len(spec), 4) if spec else None,
+        "tau": rounds_tau(rounds),
         "prompt_tokens": usage.prompt_tokens if usage else None,
         "completion_tokens": len(tokens),
         "finish_reason": finish,

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..engine.speculative import RoundStats
 
 
 def _run_once(target, drafter, prompt_ids, max_tokens, settings, sampling=None, profile=False):
@@ -27,9 +31,12 @@ def _run_once(target, drafter, prompt_ids, max_tokens, settings, sampling=None, 
     return tokens, [s.stats for s in steps if s.stats is not None], decode_s, t_first - t0
 
 
-def _tau(rounds) -> float:
-    spec = [r for r in rounds if r.bs > 1]
-    return round(sum(r.accepted + 1 for r in spec) / max(1, len(spec)), 3)
+def _tau(rounds: list[RoundStats]) -> float:
+    """The rounds' mean acceptance length, to 3 places (0 without a speculative round)."""
+    from ..engine.sampling import acceptance_length
+
+    spec = [r.accepted for r in rounds if r.bs > 1]
+    return round(acceptance_length(sum(spec), len(spec)) or 0.0, 3)
 
 
 def speculative(args) -> dict:
@@ -72,7 +79,7 @@ def speculative(args) -> dict:
         "plain_tok_s": round(plain, 2),
         "speculative_tok_s": round(spec, 2),
         "ratio": round(spec / plain, 3),
-        "tau": round(sum(r.accepted + 1 for r in spec_rounds) / n, 3),
+        "tau": _tau(spec_rounds),
         "round_ms": split,
         "greedy_outputs_identical": same,
     }

@@ -28,7 +28,7 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
 from ..engine import cuda, gdn
-from ..engine.sampling import SamplingParams, greedy_tokens
+from ..engine.sampling import SamplingParams, acceptance_length, greedy_tokens
 from ..engine.speculative import Decoder, LocalDraftPeer, make_key
 from ..engine.target import load_target
 from .seedbuild import SMALL, SeedShape, ensure
@@ -198,8 +198,8 @@ def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_
     out["measured_speedup"] = measured
     s_tokens, stats, _ = _decode(ForcedDecoder(target, drafter, L, None), prompt, n, kv)
     out["speculative_equals_plain_tokens"] = f"{_same_prefix(s_tokens, plain_tokens)}/{n}"
-    spec = [s for s in stats if s.bs > 1]
-    out["random_drafter_tau"] = round(sum(s.accepted + 1 for s in spec) / max(1, len(spec)), 3)
+    spec = [s.accepted for s in stats if s.bs > 1]
+    out["random_drafter_tau"] = round(acceptance_length(sum(spec), len(spec)) or 0.0, 3)
     return out
 
 

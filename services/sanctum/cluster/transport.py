@@ -37,6 +37,7 @@ from multiprocessing.connection import Client, wait
 import mlx.core as mx
 import numpy as np
 
+from ..serving.mlx_thread import MlxThread
 from ..wire.gen import roles_pb2 as roles
 from ..wire.tensors import _NP, dtype_name, from_numpy, to_numpy
 from .sockets import UnixListener
@@ -130,19 +131,13 @@ class SocketServer:
         self.on_disconnect = on_disconnect
         self._wake_r, self._wake_w = os.pipe()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # new connections and jobs
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self.handle = None
         self._clients = 0
-        threading.Thread(target=self._run, args=(load,), name="snc-mlx", daemon=True).start()
+        self._mlx = MlxThread(load, self._serve, "snc-mlx", "the drafter")
         self.listener = UnixListener(self._accepted, "drafter channel")
         self.address, self.authkey = self.listener.address, self.listener.authkey
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        if not self._ready.wait(timeout):
-            raise TimeoutError("the drafter did not load in time")
-        if self._error is not None:
-            raise RuntimeError(f"loading the drafter failed: {self._error!r}") from self._error
+        self._mlx.wait_ready(timeout)
 
     def submit(self, fn):
         """Run `fn()` on the MLX thread; returns a Future."""
@@ -156,14 +151,8 @@ class SocketServer:
         self._inbox.put(("conn", conn, f"c{self._clients}"))
         os.write(self._wake_w, b"c")
 
-    def _run(self, load) -> None:
-        try:
-            self.handle = load()
-        except BaseException as exc:
-            self._error = exc
-            self._ready.set()
-            return
-        self._ready.set()
+    def _serve(self, handle) -> None:
+        self.handle = handle
         clients: dict = {}  # connection -> [client id, slot]
         while True:
             for obj in wait([self._wake_r, *clients]):

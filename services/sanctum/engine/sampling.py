@@ -99,3 +99,9 @@ def accept_sampled(
     else:
         token = sample(target_probs[n][None], k_fix)[0]
     return accepted, int(token.item())
+
+
+def acceptance_length(accepted: int, rounds: int) -> float | None:
+    """tau: the mean tokens a speculative round commits, its accepted drafts plus the target's
+    bonus token (`accepted` drafts over `rounds` rounds); None without any round."""
+    return (accepted + rounds) / rounds if rounds else None

@@ -15,6 +15,7 @@ stops the request before its next round and frees its sequence.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ..settings import ServeSettings
 from .errors import InternalError, InvalidRequest, QueueFull, Unavailable
+from .mlx_thread import MlxThread
 from .requests import Chunk, GenerateRequest
 
 log = logging.getLogger("sanctum.scheduler")
@@ -107,10 +109,7 @@ class Scheduler:
         prefill_slice: int = PREFILL_SLICE,
         prefill_slice_s: float = PREFILL_SLICE_S,
     ):
-        self.verifier = None
-        self._ready = threading.Event()
         self._parked = threading.Event()
-        self._load_error: BaseException | None = None
         self.max_active, self.max_queue = max(1, max_active), max(0, max_queue)
         self._cv = threading.Condition()
         self._waiting: deque[Ticket] = deque()
@@ -127,10 +126,7 @@ class Scheduler:
         self._stopped = False
         self.counters = {"cancelled": 0, "rejected": 0, "failed": 0, "finished": 0}
         self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="sanctum-prep")
-        self._thread = threading.Thread(
-            target=self._run, args=(load,), name="sanctum-mlx", daemon=True
-        )
-        self._thread.start()
+        self._mlx = MlxThread(load, lambda _: self._loop(), "sanctum-mlx", "the models")
 
     @classmethod
     def for_settings(cls, load, settings: ServeSettings) -> Scheduler:
@@ -138,14 +134,14 @@ class Scheduler:
         return cls(load, settings.max_active, settings.max_queue, settings.prefill_slice,
                    settings.prefill_slice_ms / 1000.0)  # fmt: skip
 
+    @property
+    def verifier(self):
+        """The verifier `load` built (None until it has)."""
+        return self._mlx.loaded
+
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the verifier is loaded; raises if loading failed."""
-        if not self._ready.wait(timeout):
-            raise TimeoutError("the models did not load in time")
-        if self._load_error is not None:
-            raise RuntimeError(
-                f"loading the models failed: {self._load_error}"
-            ) from self._load_error
+        self._mlx.wait_ready(timeout)
 
     # ---- handler side ------------------------------------------------------------------------
     def submit(
@@ -181,7 +177,8 @@ class Scheduler:
     def _prepare(self, ticket: Ticket) -> None:
         """On a preparing thread: tokenize, then queue the ticket for the model's thread."""
         rid = ticket.request_id
-        self._ready.wait()
+        with contextlib.suppress(RuntimeError):  # a failed load: answered below
+            self._mlx.wait_ready()
         if self.verifier is None:
             return self._finish(rid, ticket, Unavailable("the models failed to load"))
         try:
@@ -242,20 +239,10 @@ class Scheduler:
             self._stopped = True
             self._cv.notify()
         self._prepare_pool.shutdown(wait=False)
-        if self._ready.is_set() and self._load_error is None:
+        if self._mlx.serving:
             self._parked.wait(timeout)
 
     # ---- worker side -------------------------------------------------------------------------
-    def _run(self, load) -> None:
-        try:
-            self.verifier = load()
-        except BaseException as exc:
-            self._load_error = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        self._loop()
-
     def _loop(self) -> None:
         while True:
             with self._cv:

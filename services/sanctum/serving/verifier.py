@@ -19,6 +19,7 @@ import mlx.core as mx
 from ..cache.ladder import choose_rungs, make_entry, prefill_stops, restore_into
 from ..cache.store import ResumePlan
 from ..engine.drafter import Drafter
+from ..engine.sampling import acceptance_length
 from ..engine.speculative import Decoder, DraftPeer, Sequence, make_key
 from ..engine.target import Target, VerifyTape
 from ..tokenizer import Reencoder, TextStream, message_starts, render_chat
@@ -334,8 +335,8 @@ class Verifier:
         if step.finish_reason is not None:
             chunk.text += act.stream.finish()
             chunk.finish_reason = step.finish_reason
-            spec = usage.drafted_tokens // max(1, self.decoder.block_size - 1)
-            usage.tau = round((usage.accepted_tokens + spec) / spec, 4) if spec else 0.0
+            spec = usage.drafted_tokens // max(1, self.decoder.block_size - 1)  # rounds
+            usage.tau = round(acceptance_length(usage.accepted_tokens, spec) or 0.0, 4)
             usage.elapsed_s = round(time.perf_counter() - act.started, 6)
             chunk.usage = usage
             self.metrics.completion_tokens += usage.completion_tokens

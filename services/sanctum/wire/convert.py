@@ -10,6 +10,7 @@ import re
 import uuid
 from dataclasses import asdict
 
+from ..engine.sampling import acceptance_length
 from ..serving.errors import InvalidRequest
 from ..serving.requests import Chunk, GenerateRequest, Usage
 from ..serving.stats import EntryInfo, Stats
@@ -114,6 +115,14 @@ def chunk_to_proto(
 def chunk_from_proto(m: pb.GenerateResponse) -> Chunk:
     return Chunk(m.text, list(m.token_ids), m.drafted, m.accepted, m.finish_reason or None,
                  usage_from_proto(m.usage) if m.HasField("usage") else None)  # fmt: skip
+
+
+def rounds_tau(rounds: list[dict]) -> float | None:
+    """The mean acceptance length of `rounds` (`round_of`'s), to 4 places; None without a
+    speculative round."""
+    spec = [r["accepted"] for r in rounds if r["bs"] > 1]
+    tau = acceptance_length(sum(spec), len(spec))
+    return None if tau is None else round(tau, 4)
 
 
 def round_of(m: pb.GenerateResponse | Chunk) -> dict:
