@@ -40,15 +40,26 @@ def cmd_generate(args) -> int:
         t0 = time.perf_counter()
         tokens, rounds, text, finish = [], [], "", None
         for step in generate(
-            target, prompt_ids, drafter=drafter, sampling=sampling, max_tokens=args.max_tokens,
-            block_size=settings.block_size, kv_mode=settings.kv_mode, stop_check=stream.check,
-        ):  # fmt: skip
+            target,
+            prompt_ids,
+            drafter=drafter,
+            sampling=sampling,
+            max_tokens=args.max_tokens,
+            block_size=settings.block_size,
+            kv_mode=settings.kv_mode,
+            stop_check=stream.check,
+        ):
             tokens.extend(step.tokens)
             delta = stream.push(step.tokens)
             text += delta
             if step.stats is not None:
-                rounds.append({"bs": step.stats.bs, "accepted": step.stats.accepted,
-                               "committed": step.stats.committed})  # fmt: skip
+                rounds.append(
+                    {
+                        "bs": step.stats.bs,
+                        "accepted": step.stats.accepted,
+                        "committed": step.stats.committed,
+                    }
+                )
                 if args.verbose:
                     print(step.stats.line(len(tokens)), file=sys.stderr)
             if not args.json:

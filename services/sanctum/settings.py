@@ -115,8 +115,15 @@ def engine_settings(
     `drafter="none"` turns speculation off; no model: the default pair (its drafter too)."""
     from .engine.target import KV_MODES
 
-    s = read(EngineSettings, env, model=model, drafter=drafter, block_size=block_size,
-             drafter_bits=bits, kv_mode=kv_mode)  # fmt: skip
+    s = read(
+        EngineSettings,
+        env,
+        model=model,
+        drafter=drafter,
+        block_size=block_size,
+        drafter_bits=bits,
+        kv_mode=kv_mode,
+    )
     if s.model is None:
         default_target, default_drafter = default_pair(env)
         s = replace(s, model=str(default_target), drafter=s.drafter or str(default_drafter))
@@ -200,10 +207,17 @@ def server_settings(
     tls_client_ca: str | None = None,
     env: Env = os.environ,
 ) -> ServerSettings:
-    return read(ServerSettings, env, host=host or None, port=port,
-                auth_token_file=auth_token_file or None, tls_cert=tls_cert or None,
-                tls_key=tls_key or None, tls_client_ca=tls_client_ca or None,
-                limits=read(ConnectionLimits, env))  # fmt: skip
+    return read(
+        ServerSettings,
+        env,
+        host=host or None,
+        port=port,
+        auth_token_file=auth_token_file or None,
+        tls_cert=tls_cert or None,
+        tls_key=tls_key or None,
+        tls_client_ca=tls_client_ca or None,
+        limits=read(ConnectionLimits, env),
+    )
 
 
 def client_token(token: str | None = None, env: Env = os.environ) -> str | None:
@@ -296,9 +310,17 @@ def serve_settings(
             placed[role] = _json(f"--{role}-resources", flag)
         elif env.get(name):
             placed[role] = _json(name, env[name])
-    s = read(ServeSettings, env, engine=engine, cache=cache, max_active=max_active or None,
-             max_queue=max_queue, transport=transport, resources=placed,
-             processes=read(RoleProcesses, env))  # fmt: skip
+    s = read(
+        ServeSettings,
+        env,
+        engine=engine,
+        cache=cache,
+        max_active=max_active or None,
+        max_queue=max_queue,
+        transport=transport,
+        resources=placed,
+        processes=read(RoleProcesses, env),
+    )
     if s.transport not in TRANSPORTS:
         raise ValueError(f"transport must be auto, shm or object_store, got {s.transport!r}")
     return s
@@ -308,8 +330,13 @@ def serve_settings(
 
 
 # the engine settings' flags: `engine_settings` argument -> command-line option
-MODEL_FLAGS = {"model": "--model", "drafter": "--drafter", "block_size": "--block-size",
-               "bits": "--bits", "kv_mode": "--kv"}  # fmt: skip
+MODEL_FLAGS = {
+    "model": "--model",
+    "drafter": "--drafter",
+    "block_size": "--block-size",
+    "bits": "--bits",
+    "kv_mode": "--kv",
+}
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:

@@ -60,26 +60,41 @@ def target_config(kind: str, vocab: int, eos_id: int, hidden: int = 128, layers:
         torch_dtype="float32",
     )
     if kind == "dense":
-        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-                **common, "rope_theta": 1e6}  # fmt: skip
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            **common,
+            "rope_theta": 1e6,
+        }
     if kind == "next":
         return {
-            "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
-            **common, **_GDN, **_MOE, "mlp_only_layers": [],
-            "rope_theta": 1e6, "partial_rotary_factor": 0.25,
-        }  # fmt: skip
+            "architectures": ["Qwen3NextForCausalLM"],
+            "model_type": "qwen3_next",
+            **common,
+            **_GDN,
+            **_MOE,
+            "mlp_only_layers": [],
+            "rope_theta": 1e6,
+            "partial_rotary_factor": 0.25,
+        }
     if kind in ("hybrid", "moe"):
         moe = kind == "moe"
-        text = {"model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
-                **common, **_GDN, **(_MOE if moe else {}), "rope_parameters": dict(_ROPE)}  # fmt: skip
+        text = {
+            "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
+            **common,
+            **_GDN,
+            **(_MOE if moe else {}),
+            "rope_parameters": dict(_ROPE),
+        }
         return {
-            "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe
-                              else "Qwen3_5ForConditionalGeneration"],
+            "architectures": [
+                "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
+            ],
             "model_type": "qwen3_5_moe" if moe else "qwen3_5",
             "text_config": text,
             "tie_word_embeddings": False,
             "eos_token_id": eos_id,
-        }  # fmt: skip
+        }
     raise ValueError(f"unknown target kind {kind!r} (choose from {TARGET_KINDS})")
 
 
@@ -155,9 +170,15 @@ def copy_tokenizer(src: Path, out: Path) -> None:
         shutil.copy(src / name, out / name)
 
 
-def make_tiny_target(out: Path, kind: str = "hybrid", seed: int = 0, layers: int = 8,
-                     hidden: int = 128, tokenizer_dir: Path = TINY_TOKENIZER,
-                     vocab_size: int | None = None) -> Path:  # fmt: skip
+def make_tiny_target(
+    out: Path,
+    kind: str = "hybrid",
+    seed: int = 0,
+    layers: int = 8,
+    hidden: int = 128,
+    tokenizer_dir: Path = TINY_TOKENIZER,
+    vocab_size: int | None = None,
+) -> Path:
     """A random target of `kind` at `out` (HF layout), returned as its directory.
     `vocab_size` below the tokenizer's makes a model that only ever emits the first ids
     (statistical tests want a tiny vocabulary)."""
@@ -223,9 +244,15 @@ def drafter_config(kind: str, target_dir: Path, block_size: int = 8, layers: int
         },
     }
     if kind == "dflash2":
-        cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=16, selector_rank=32,
-                                    selector_top_k=8, input_embedding_scale=1.0,
-                                    output_multiplier=1.0, final_logit_softcapping=30.0)  # fmt: skip
+        cfg["dflash_config"].update(
+            conv_kernel_size=2,
+            conv_group_size=16,
+            selector_rank=32,
+            selector_top_k=8,
+            input_embedding_scale=1.0,
+            output_multiplier=1.0,
+            final_logit_softcapping=30.0,
+        )
     elif kind != "dflash":
         raise ValueError(f"unknown drafter kind {kind!r} (choose from {DRAFTER_KINDS})")
     return cfg
@@ -243,9 +270,16 @@ def _dflash2(cfg: dict) -> dict:
     cfg.pop("block_size")
     cfg.pop("rope_theta")
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
-    cfg["dflash_config"].update(block_size=16, conv_kernel_size=2, conv_group_size=16,
-                                selector_rank=32, selector_top_k=8, input_embedding_scale=1.0,
-                                output_multiplier=0.7, final_logit_softcapping=20.0)  # fmt: skip
+    cfg["dflash_config"].update(
+        block_size=16,
+        conv_kernel_size=2,
+        conv_group_size=16,
+        selector_rank=32,
+        selector_top_k=8,
+        input_embedding_scale=1.0,
+        output_multiplier=0.7,
+        final_logit_softcapping=20.0,
+    )
     return cfg
 
 
@@ -273,8 +307,14 @@ DRAFTER_LAYOUTS = {
 }
 
 
-def make_tiny_drafter(out: Path, target_dir: Path, kind: str = "dflash", seed: int = 1,
-                      block_size: int = 8, layers: int = 2) -> Path:  # fmt: skip
+def make_tiny_drafter(
+    out: Path,
+    target_dir: Path,
+    kind: str = "dflash",
+    seed: int = 1,
+    block_size: int = 8,
+    layers: int = 2,
+) -> Path:
     """A random DFlash / DFlash 2 drafter for the target at `target_dir`."""
     return write_random_drafter(out, drafter_config(kind, target_dir, block_size, layers), seed)
 
@@ -302,8 +342,13 @@ def write_random_drafter(out: Path, raw: dict, seed: int = 1) -> Path:
     return out
 
 
-def make_tiny(out: str | Path, kind: str = "hybrid", drafter: str = "dflash", seed: int = 0,
-              block_size: int = 8) -> tuple[Path, Path]:  # fmt: skip
+def make_tiny(
+    out: str | Path,
+    kind: str = "hybrid",
+    drafter: str = "dflash",
+    seed: int = 0,
+    block_size: int = 8,
+) -> tuple[Path, Path]:
     """`sanctum make-tiny`: OUT/target and OUT/drafter."""
     out = Path(out)
     target = make_tiny_target(out / "target", kind, seed)

@@ -76,10 +76,16 @@ def build_tokenizer(texts, vocab_size: int, out_dir: str | Path) -> Path:
 
 def tokenizer_config() -> dict:
     added = {
-        str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                 "normalized": False, "single_word": False}
+        str(i): {
+            "content": t,
+            "special": True,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+        }
         for i, t in enumerate(SPECIAL_TOKENS)
-    }  # fmt: skip
+    }
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,

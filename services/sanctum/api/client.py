@@ -54,8 +54,14 @@ def make_request(
         req.chat.SetInParent()
         for m in messages:
             req.chat.messages.add(role=m["role"], content=m["content"])
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k), ("seed", seed), ("use_cache", use_cache)):  # fmt: skip
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("seed", seed),
+        ("use_cache", use_cache),
+    ):
         if value is not None:
             setattr(req, name, value)
     return req
@@ -97,10 +103,18 @@ class _BearerToken(
 class Client:
     """A channel to one server; every call takes an optional `timeout` (seconds: a deadline)."""
 
-    def __init__(self, target: str, max_message_bytes: int = 16 << 20, *,
-                 token: str | None = None, tls: bool = False,
-                 tls_ca: bytes | str | None = None, tls_cert: bytes | str | None = None,
-                 tls_key: bytes | str | None = None, options: tuple = ()):  # fmt: skip
+    def __init__(
+        self,
+        target: str,
+        max_message_bytes: int = 16 << 20,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        tls_ca: bytes | str | None = None,
+        tls_cert: bytes | str | None = None,
+        tls_key: bytes | str | None = None,
+        options: tuple = (),
+    ):
         self.target = target
         opts = [
             ("grpc.max_send_message_length", max_message_bytes),
@@ -109,9 +123,10 @@ class Client:
         ]
         if tls or tls_ca or tls_cert:
             creds = grpc.ssl_channel_credentials(
-                root_certificates=_pem(tls_ca), private_key=_pem(tls_key),
+                root_certificates=_pem(tls_ca),
+                private_key=_pem(tls_key),
                 certificate_chain=_pem(tls_cert),
-            )  # fmt: skip
+            )
             self.channel = grpc.secure_channel(target, creds, options=opts)
         else:
             self.channel = grpc.insecure_channel(target, options=opts)
@@ -185,10 +200,16 @@ def generate_remote(server: str, args, sampling) -> dict:
             raise ValueError(
                 f"--{flag.replace('_', '-')} is a server setting; pass it to `sanctum serve`"
             )
-    req = make_request(args.prompt, max_tokens=args.max_tokens, stop=args.stop,
-                       kv_mode=getattr(args, "kv", None), seed=sampling.seed,
-                       temperature=sampling.temperature, top_p=sampling.top_p,
-                       top_k=sampling.top_k)  # fmt: skip
+    req = make_request(
+        args.prompt,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        kv_mode=getattr(args, "kv_mode", None),
+        seed=sampling.seed,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+    )
     tokens, rounds, text, finish, usage = [], [], "", None, None
     t0 = time.perf_counter()
     token = None
@@ -205,8 +226,11 @@ def generate_remote(server: str, args, sampling) -> dict:
                     rounds.append(round_of(m))
                     if getattr(args, "verbose", False):
                         r = rounds[-1]
-                        print(f"bs={r['bs']} accepted={r['accepted']} committed={r['committed']} "
-                              f"completion_tokens={len(tokens)}", file=sys.stderr)  # fmt: skip
+                        print(
+                            f"bs={r['bs']} accepted={r['accepted']} committed={r['committed']} "
+                            f"completion_tokens={len(tokens)}",
+                            file=sys.stderr,
+                        )
                 finish = m.finish_reason or finish
                 if m.HasField("usage"):
                     usage = m.usage

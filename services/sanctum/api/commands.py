@@ -71,8 +71,9 @@ def cmd_serve(args) -> int:
         transport=args.transport,
         resources={role: getattr(args, f"{role}_resources") for role in ROLES},
     )
-    net = server_settings(args.host, args.port, args.auth_token_file, args.tls_cert,
-                          args.tls_key, args.tls_client_ca)  # fmt: skip
+    net = server_settings(
+        args.host, args.port, args.auth_token_file, args.tls_cert, args.tls_key, args.tls_client_ca
+    )
     return serve(settings, net, args.inline, args.drain_timeout)
 
 
@@ -87,8 +88,9 @@ def serve(settings, net, inline: bool = False, drain_timeout: float = 30.0) -> i
     from .guard import Access, check_exposure
     from .server import Server
 
-    logging.basicConfig(level=settings.processes.log_level,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=settings.processes.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     access = Access.from_files(net.auth_token_file, net.tls_cert, net.tls_key, net.tls_client_ca)
     check_exposure(net.host, access)
     sweep_stale_socket_dirs()
@@ -118,11 +120,21 @@ def serve(settings, net, inline: bool = False, drain_timeout: float = 30.0) -> i
         on_signals()
     try:
         streams = settings.max_active + settings.max_queue + 8
-        server = Server(None, net.host, net.port, net.max_message_bytes, max_streams=streams,
-                        access=access, limits=net.limits)  # fmt: skip
-        log.info("listening on %s (%s%s; NOT_SERVING until the models are loaded)",
-                 server.address, "TLS" if access.tls_cert else "plaintext",
-                 ", bearer token" if access.token else "")  # fmt: skip
+        server = Server(
+            None,
+            net.host,
+            net.port,
+            net.max_message_bytes,
+            max_streams=streams,
+            access=access,
+            limits=net.limits,
+        )
+        log.info(
+            "listening on %s (%s%s; NOT_SERVING until the models are loaded)",
+            server.address,
+            "TLS" if access.tls_cert else "plaintext",
+            ", bearer token" if access.token else "",
+        )
         if inline:
             from ..serving.inline import InlineBackend
 
@@ -133,8 +145,10 @@ def serve(settings, net, inline: bool = False, drain_timeout: float = 30.0) -> i
             backend = start_cluster(settings)
         server.attach(backend)
         server.ready()
-        print(f"sanctum: serving {settings.engine.model} on {server.address} "
-              f"({backend.mode})", flush=True)  # fmt: skip
+        print(
+            f"sanctum: serving {settings.engine.model} on {server.address} ({backend.mode})",
+            flush=True,
+        )
         while not stop.wait(0.25):  # a timeout: a signal landing on another thread still runs
             pass  # its Python handler only when the main thread wakes
         log.info("draining: health NOT_SERVING, new requests refused, in-flight ones finishing")

@@ -43,8 +43,13 @@ class Access:
     tls_client_ca: bytes | None = None  # set: clients must present a certificate it signed
 
     @classmethod
-    def from_files(cls, token_file: str | None = None, tls_cert: str | None = None,
-                   tls_key: str | None = None, tls_client_ca: str | None = None) -> Access:  # fmt: skip
+    def from_files(
+        cls,
+        token_file: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_client_ca: str | None = None,
+    ) -> Access:
         """Read the files `sanctum serve` was given; ValueError names a bad one."""
         token = None
         if token_file:
@@ -106,8 +111,11 @@ def check_exposure(host: str, access: Access) -> None:
             "or SANCTUM_AUTH_TOKEN_FILE (and TLS: --tls-cert, --tls-key)"
         )
     if access.tls_cert is None:
-        log.warning("listening on %s without TLS: the token and the prompts cross the network "
-                    "in clear; add --tls-cert and --tls-key", host)  # fmt: skip
+        log.warning(
+            "listening on %s without TLS: the token and the prompts cross the network "
+            "in clear; add --tls-cert and --tls-key",
+            host,
+        )
 
 
 class Guard(grpc.aio.ServerInterceptor):
@@ -162,8 +170,9 @@ def _parsed(handler, method: str, idle_s: float):
             return parse(raw)
         except Exception as exc:  # DecodeError, invalid UTF-8 in a string field, ...
             log.warning("malformed %s from %s to %s: %s", name, context.peer(), method, exc)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"request: not a valid {name} message")  # fmt: skip
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {name} message"
+        )
 
     async def each(raw_messages, context):
         messages = raw_messages.__aiter__()
@@ -173,8 +182,10 @@ def _parsed(handler, method: str, idle_s: float):
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"no message on this stream for {idle_s:g} s: closed")  # fmt: skip
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no message on this stream for {idle_s:g} s: closed",
+                )
             yield await one(raw, context)
 
     read = each if handler.request_streaming else one

@@ -181,9 +181,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             await asyncio.wait_for(context.write(message), self.slow_client_s)
         except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"no response taken for {self.slow_client_s:g} s: the client "
-                                "reads too slowly; stream closed")  # fmt: skip
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no response taken for {self.slow_client_s:g} s: the client "
+                "reads too slowly; stream closed",
+            )
 
     async def Complete(self, request, context):
         """The whole completion in one message."""
@@ -222,17 +224,26 @@ class Server:
     """A running gRPC front end over `backend` (start, ready, drain, stop). Its methods may be
     called from any thread; the server itself runs on its own event-loop thread."""
 
-    def __init__(self, backend=None, host: str = "127.0.0.1", port: int = 1337,
-                 max_message_bytes: int = 16 << 20, max_streams: int = 96, *,
-                 access: Access | None = None, limits: ConnectionLimits | None = None):  # fmt: skip
+    def __init__(
+        self,
+        backend=None,
+        host: str = "127.0.0.1",
+        port: int = 1337,
+        max_message_bytes: int = 16 << 20,
+        max_streams: int = 96,
+        *,
+        access: Access | None = None,
+        limits: ConnectionLimits | None = None,
+    ):
         self.access = access or Access()
         check_exposure(host, self.access)
         limits = limits or ConnectionLimits()
         self.servicer = InferenceServicer(backend, max_streams, limits.slow_client_s)
         self._serving = False
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="sanctum-grpc",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="sanctum-grpc", daemon=True
+        )
         self._thread.start()
         try:
             self.port = self._call(self._start(host, port, max_message_bytes, limits))
@@ -248,8 +259,9 @@ class Server:
         """Run `coro` on the server's loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    async def _start(self, host: str, port: int, max_message_bytes: int,
-                     limits: ConnectionLimits) -> int:  # fmt: skip
+    async def _start(
+        self, host: str, port: int, max_message_bytes: int, limits: ConnectionLimits
+    ) -> int:
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),

@@ -65,10 +65,22 @@ class _started_server:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.home = tempfile.TemporaryDirectory(prefix="sanctum-abuse-")
-        env = dict(os.environ, SANCTUM_HOME=self.home.name,
-                   SANCTUM_STREAM_IDLE_S=str(self.args.stream_idle_s))  # fmt: skip
-        cmd = [sys.executable, "-m", "sanctum.cli", "serve", "--port", str(port),
-               "--cache-dir", "none", *(["--inline"] if self.args.inline else [])]  # fmt: skip
+        env = dict(
+            os.environ,
+            SANCTUM_HOME=self.home.name,
+            SANCTUM_STREAM_IDLE_S=str(self.args.stream_idle_s),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "sanctum.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--cache-dir",
+            "none",
+            *(["--inline"] if self.args.inline else []),
+        ]
         for name, value in model_flags(self.args).items():
             if value is not None:
                 cmd += [MODEL_FLAGS[name], str(value)]
@@ -158,8 +170,10 @@ def abuse(address: str, args) -> dict:
                 chat_first.append(time.perf_counter() - t_abuse)
 
     chars = int(args.prompt_mb * (1 << 20))
-    chat = [{"role": ("user", "assistant")[i % 2], "content": f"message {i}: " + "w" * 24}
-            for i in range(args.chat_messages)]  # fmt: skip
+    chat = [
+        {"role": ("user", "assistant")[i % 2], "content": f"message {i}: " + "w" * 24}
+        for i in range(args.chat_messages)
+    ]
     calls = {
         f"prompt_{args.prompt_mb:g}mb": lambda c: _outcome(
             lambda: list(c.stream(_request("x" * chars, 4), timeout=120))
@@ -179,8 +193,11 @@ def abuse(address: str, args) -> dict:
 
         workers.append(threading.Thread(target=work))
     idle = threading.Thread(target=lambda: results.update(idle_streams=_idle(address, args)))
-    wire = threading.Thread(target=lambda: results.update(garbage_bytes=_garbage(address, False),
-                                                          garbage_h2_frames=_garbage(address, True)))  # fmt: skip
+    wire = threading.Thread(
+        target=lambda: results.update(
+            garbage_bytes=_garbage(address, False), garbage_h2_frames=_garbage(address, True)
+        )
+    )
     for t in (*workers, idle, wire):
         t.start()
     for t in (*workers, idle, wire):
@@ -233,9 +250,11 @@ def _outcome(call) -> str:
 
 
 def _malformed(client) -> None:
-    rpc = client.channel.unary_stream("/sanctum.v1.Inference/Generate",
-                                      request_serializer=lambda b: b,
-                                      response_deserializer=lambda b: b)  # fmt: skip
+    rpc = client.channel.unary_stream(
+        "/sanctum.v1.Inference/Generate",
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
+    )
     list(rpc(b"\xff\xff\xff\xff\x0f not a GenerateRequest", timeout=30))
 
 
@@ -289,9 +308,20 @@ def _garbage(address: str, framed: bool) -> str:
     return _describe_h2(data) + ", connection closed by the server"
 
 
-_H2_ERRORS = ["NO_ERROR", "PROTOCOL_ERROR", "INTERNAL_ERROR", "FLOW_CONTROL_ERROR",
-              "SETTINGS_TIMEOUT", "STREAM_CLOSED", "FRAME_SIZE_ERROR", "REFUSED_STREAM", "CANCEL",
-              "COMPRESSION_ERROR", "CONNECT_ERROR", "ENHANCE_YOUR_CALM"]  # fmt: skip
+_H2_ERRORS = [
+    "NO_ERROR",
+    "PROTOCOL_ERROR",
+    "INTERNAL_ERROR",
+    "FLOW_CONTROL_ERROR",
+    "SETTINGS_TIMEOUT",
+    "STREAM_CLOSED",
+    "FRAME_SIZE_ERROR",
+    "REFUSED_STREAM",
+    "CANCEL",
+    "COMPRESSION_ERROR",
+    "CONNECT_ERROR",
+    "ENHANCE_YOUR_CALM",
+]
 
 
 def _describe_h2(data: bytes) -> str:

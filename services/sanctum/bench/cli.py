@@ -35,8 +35,9 @@ def register(sub) -> None:
     add_abuse(bsub)
     t = bsub.add_parser("tau", help="tau and speculative/plain tok/s per context length")
     add_model_flags(t)
-    t.add_argument("--contexts", default="0,1024,2048,4096",
-                   help="tokens of held-out text before each prompt")  # fmt: skip
+    t.add_argument(
+        "--contexts", default="0,1024,2048,4096", help="tokens of held-out text before each prompt"
+    )
     t.add_argument("--block-sizes", default="8,16")
     t.add_argument("--temperatures", default="0.7,1.0", help="sampled tau (block: the first)")
     t.add_argument("--num-prompts", type=int, default=8, help="prompts per context length")
@@ -84,8 +85,16 @@ def cuda(args) -> dict:
     return run(args)
 
 
-BENCHES = {"speculative": speculative, "multiturn": multiturn, "isolation": isolation, "tau": tau,
-           "reencode": reencode, "abuse": abuse, "seed": seed, "cuda": cuda}  # fmt: skip
+BENCHES = {
+    "speculative": speculative,
+    "multiturn": multiturn,
+    "isolation": isolation,
+    "tau": tau,
+    "reencode": reencode,
+    "abuse": abuse,
+    "seed": seed,
+    "cuda": cuda,
+}
 
 
 def main(args) -> int:

@@ -35,9 +35,12 @@ def _timings(kernel, shape, T: int) -> dict:
     from .seedphases import per_call_ms
 
     Hk, Hv, Dk, Dv = shape
-    q, k = normalize_qk(mx.random.normal((1, T, Hk, Dk)).astype(mx.bfloat16),
-                        mx.random.normal((1, T, Hk, Dk)).astype(mx.bfloat16),
-                        inv_scale=Dk**-0.5, eps=1e-6)  # fmt: skip
+    q, k = normalize_qk(
+        mx.random.normal((1, T, Hk, Dk)).astype(mx.bfloat16),
+        mx.random.normal((1, T, Hk, Dk)).astype(mx.bfloat16),
+        inv_scale=Dk**-0.5,
+        eps=1e-6,
+    )
     v = mx.random.normal((1, T, Hv, Dv)).astype(mx.bfloat16)
     log_g = -mx.random.uniform(0.01, 2.0, (1, T, Hv))
     beta = mx.sigmoid(mx.random.normal((1, T, Hv))).astype(mx.bfloat16)
@@ -98,10 +101,18 @@ def _end_to_end(tmp: Path) -> dict:
         worst = max(worst, mx.abs(got[-1] - want[-1]).max().item())
     out = {"rollback_max_abs_diff": round(worst, 6), "rollback_ok": worst < 1e-3}
     for kv in ("fp16", "q8"):
-        plain = [t for s in generate(target, ids, max_tokens=40, kv_mode=kv, eos_ids=set())
-                 for t in s.tokens]  # fmt: skip
-        spec = [t for s in generate(target, ids, drafter=drafter, max_tokens=40, kv_mode=kv,
-                                    eos_ids=set()) for t in s.tokens]  # fmt: skip
+        plain = [
+            t
+            for s in generate(target, ids, max_tokens=40, kv_mode=kv, eos_ids=set())
+            for t in s.tokens
+        ]
+        spec = [
+            t
+            for s in generate(
+                target, ids, drafter=drafter, max_tokens=40, kv_mode=kv, eos_ids=set()
+            )
+            for t in s.tokens
+        ]
         out[f"speculative_equals_plain_{kv}"] = spec == plain
     return out
 
@@ -138,6 +149,9 @@ def run(args) -> dict:
 
 def add_parser(bsub) -> None:
     c = bsub.add_parser("cuda", help="check and time the CUDA-only paths (fused GDN, Q8 KV)")
-    c.add_argument("--standin", action="store_true",
-                   help="off CUDA: run the checks with a pure-MLX stand-in for the kernel")  # fmt: skip
+    c.add_argument(
+        "--standin",
+        action="store_true",
+        help="off CUDA: run the checks with a pure-MLX stand-in for the kernel",
+    )
     c.add_argument("--json", action="store_true")

@@ -20,9 +20,17 @@ def _run_once(target, drafter, prompt_ids, max_tokens, settings, sampling=None, 
 
     t0 = time.perf_counter()
     steps, t_first = [], None
-    for step in generate(target, prompt_ids, drafter=drafter, sampling=sampling or SamplingParams(),
-                         max_tokens=max_tokens, block_size=settings.block_size,
-                         kv_mode=settings.kv_mode, eos_ids=set(), profile=profile):  # fmt: skip
+    for step in generate(
+        target,
+        prompt_ids,
+        drafter=drafter,
+        sampling=sampling or SamplingParams(),
+        max_tokens=max_tokens,
+        block_size=settings.block_size,
+        kv_mode=settings.kv_mode,
+        eos_ids=set(),
+        profile=profile,
+    ):
         steps.append(step)
         if t_first is None:
             t_first = time.perf_counter()
@@ -61,8 +69,9 @@ def speculative(args) -> dict:
         spec_t.append((len(s_tokens) - 1) / s_elapsed)
         same &= p_tokens == s_tokens
     # the split from a run that syncs after each phase (the timed runs sync once a round)
-    _, rounds, _, _ = _run_once(target, drafter, prompt_ids, args.max_tokens, settings,
-                                profile=True)  # fmt: skip
+    _, rounds, _, _ = _run_once(
+        target, drafter, prompt_ids, args.max_tokens, settings, profile=True
+    )
     spec_rounds.extend(r for r in rounds if r.bs > 1)
     n = max(1, len(spec_rounds))
     split = {
@@ -143,20 +152,31 @@ def tau(args) -> list[dict]:
             p_tokens, _, p_s, _ = _run_once(target, None, ids, args.max_tokens, settings)
             plain_n, plain_s = plain_n + len(p_tokens) - 1, plain_s + p_s
             for b in blocks:
-                tokens, stats, s_s, _ = _run_once(target, drafter, ids, args.max_tokens,
-                                                  replace(settings, block_size=b))  # fmt: skip
+                tokens, stats, s_s, _ = _run_once(
+                    target, drafter, ids, args.max_tokens, replace(settings, block_size=b)
+                )
                 spec[b][0] += len(tokens) - 1
                 spec[b][1] += s_s
                 spec[b][2] += stats
                 same &= tokens == p_tokens
             for t in temps:
                 sp = SamplingParams(temperature=t, seed=args.seed * 1000 + i)
-                _, stats, _, _ = _run_once(target, drafter, ids, args.max_tokens,
-                                           replace(settings, block_size=blocks[0]), sp)  # fmt: skip
+                _, stats, _, _ = _run_once(
+                    target,
+                    drafter,
+                    ids,
+                    args.max_tokens,
+                    replace(settings, block_size=blocks[0]),
+                    sp,
+                )
                 sampled[t] += stats
         plain = plain_n / plain_s
-        row = {"context": c, "prompt_tokens": round(sum(map(len, prompts[c])) / len(prompts[c])),
-               "prompts": len(prompts[c]), "plain_tok_s": round(plain, 2)}  # fmt: skip
+        row = {
+            "context": c,
+            "prompt_tokens": round(sum(map(len, prompts[c])) / len(prompts[c])),
+            "prompts": len(prompts[c]),
+            "plain_tok_s": round(plain, 2),
+        }
         for b in blocks:
             n, secs, stats = spec[b]
             row[f"tau_b{b}"] = _tau(stats)

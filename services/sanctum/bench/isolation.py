@@ -200,8 +200,13 @@ def run(args) -> dict:
         after = {"inline": inline.stats(), "cluster": cluster.stats()}
         concurrent = None
         if args.concurrency > 1:
-            concurrent = _concurrent({"inline": inline, "cluster": cluster}, prompts,
-                                     args.concurrency, args.max_tokens, args.repeats)  # fmt: skip
+            concurrent = _concurrent(
+                {"inline": inline, "cluster": cluster},
+                prompts,
+                args.concurrency,
+                args.max_tokens,
+                args.repeats,
+            )
         cluster.close()
     finally:
         ray.shutdown()

@@ -36,9 +36,15 @@ def multiturn(args) -> list[dict]:
     settings = engine_settings(**model_flags(args))
     target, drafter = load_models(settings)
     cache = cache_settings(ladder=args.ladder)
-    verifier = Verifier(target, drafter, LocalDraftPeer(drafter) if drafter else None,
-                        PromptStore(cache.max_bytes), cache.ladder_depth, settings.kv_mode,
-                        settings.block_size)  # fmt: skip
+    verifier = Verifier(
+        target,
+        drafter,
+        LocalDraftPeer(drafter) if drafter else None,
+        PromptStore(cache.max_bytes),
+        cache.ladder_depth,
+        settings.kv_mode,
+        settings.block_size,
+    )
     messages = [{"role": "system", "content": "You are a careful Python reviewer."}]
     rows = []
     for turn, snippet in enumerate(_code_snippets(args.turns), start=1):
@@ -47,26 +53,29 @@ def multiturn(args) -> list[dict]:
         )
 
         def ask(use_cache, seed=turn):
-            req = GenerateRequest(messages=tuple(messages), max_tokens=args.max_tokens,
-                                  use_cache=use_cache, seed=seed)  # fmt: skip
+            req = GenerateRequest(
+                messages=tuple(messages), max_tokens=args.max_tokens, use_cache=use_cache, seed=seed
+            )
             chunks = list(verifier.generate(req))
             return "".join(c.text for c in chunks), chunks[-1].usage
 
         cold_text, cold = ask(use_cache=False)
         text, warm = ask(use_cache=True)
         assert text == cold_text, "a resumed request must equal the cold one"
-        rows.append({
-            "turn": turn,
-            "prompt_tokens": warm.prompt_tokens,
-            "requested_lcp": warm.requested_lcp,
-            "resumed_at": warm.resumed_at,
-            "prefix_cached": warm.cached_tokens,
-            "cache_hit_ratio": warm.cache_hit_ratio,
-            "tau": round(warm.tau, 3),
-            "ttft_warm_s": warm.ttft_s,
-            "ttft_cold_s": cold.ttft_s,
-            "kv": warm.kv,
-        })  # fmt: skip
+        rows.append(
+            {
+                "turn": turn,
+                "prompt_tokens": warm.prompt_tokens,
+                "requested_lcp": warm.requested_lcp,
+                "resumed_at": warm.resumed_at,
+                "prefix_cached": warm.cached_tokens,
+                "cache_hit_ratio": warm.cache_hit_ratio,
+                "tau": round(warm.tau, 3),
+                "ttft_warm_s": warm.ttft_s,
+                "ttft_cold_s": cold.ttft_s,
+                "kv": warm.kv,
+            }
+        )
         messages.append({"role": "assistant", "content": text})
     return rows
 
@@ -94,8 +103,12 @@ def reencode(args) -> dict:
         reencoder.first_difference(ids[:end], final=False)
         windowed[end] = time.perf_counter() - t0
         widest = max(widest, end - reencoder.settled)
-    result = {"model": settings.model, "round_tokens": args.round_tokens,
-              "widest_window_tokens": widest, "gave_up": reencoder.exhausted}  # fmt: skip
+    result = {
+        "model": settings.model,
+        "round_tokens": args.round_tokens,
+        "widest_window_tokens": widest,
+        "gave_up": reencoder.exhausted,
+    }
     for n in lengths:
         near = [windowed[e] for e in windowed if n - 64 < e <= n]  # the rounds just before n
         whole = []

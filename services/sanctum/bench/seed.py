@@ -126,8 +126,10 @@ def verify_costs(target, prompt: list[int], tap_ids, reps: int, kv: str) -> tupl
 def _round_split(stats) -> dict:
     spec = [s for s in stats if s.bs > 1]
     n = max(1, len(spec))
-    split = {p: round(1000 * sum(getattr(s, f"{p}_s") for s in spec) / n, 3)
-             for p in ("draft", "verify", "rollback", "other")}  # fmt: skip
+    split = {
+        p: round(1000 * sum(getattr(s, f"{p}_s") for s in spec) / n, 3)
+        for p in ("draft", "verify", "rollback", "other")
+    }
     split["total"] = round(sum(split.values()), 3)
     return split
 
@@ -161,9 +163,11 @@ def plain_figures(target, prompt: list[int], n: int, repeats: int, kv: str) -> d
         theirs.append((len(m_tokens) - 1) / m_s)
         u_tokens, _, u_s = _decode(unqueued, prompt, n, kv)
         old.append((len(u_tokens) - 1) / u_s)
-    out = {"plain_tok_s": round(statistics.median(ours), 2),
-           "mlx_lm_tok_s": round(statistics.median(theirs), 2),
-           "plain_unqueued_tok_s": round(statistics.median(old), 2)}  # fmt: skip
+    out = {
+        "plain_tok_s": round(statistics.median(ours), 2),
+        "mlx_lm_tok_s": round(statistics.median(theirs), 2),
+        "plain_unqueued_tok_s": round(statistics.median(old), 2),
+    }
     out["plain_vs_mlx_lm"] = round(out["plain_tok_s"] / out["mlx_lm_tok_s"], 3)
     out["plain_equals_mlx_lm_tokens"] = f"{_same_prefix(tokens, m_tokens)}/{len(m_tokens)}"
     gdn.MLX_LM_PREFILL = True
@@ -187,10 +191,12 @@ def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_
     _decode(forced, prompt, 2 * L, kv)
     split = _round_split(_decode(forced, prompt, n, kv)[1])
     total = split["total"]
-    out = {"round_ms": split,
-           "round_share": {p: round(v / total, 3) for p, v in split.items() if p != "total"},
-           "break_even_tau": round(total / decode_ms, 3),
-           "projected_speedup": {t: round(t * decode_ms / total, 3) for t in TAUS}}  # fmt: skip
+    out = {
+        "round_ms": split,
+        "round_share": {p: round(v / total, 3) for p, v in split.items() if p != "total"},
+        "break_even_tau": round(total / decode_ms, 3),
+        "projected_speedup": {t: round(t * decode_ms / total, 3) for t in TAUS},
+    }
     measured = {}
     for tau in TAUS:
         tokens, _, s = _decode(ForcedDecoder(target, drafter, L, min(tau, L)), prompt, n, kv)
@@ -220,9 +226,16 @@ def seed(args) -> dict:
     say(f"loaded in {load_s:.1f} s: {cuda.report()}")
     n, kv, *other_kv = args.max_tokens, *args.kv.split(",")
     prompt = np.random.default_rng(0).integers(10, shape.vocab - 10, args.prompt_tokens).tolist()
-    result = {"shape": shape.key(), "block_size": drafter.block_size if drafter else None, "kv": kv,
-              "prompt_tokens": len(prompt), "max_tokens": n, "build_s": round(build_s, 1),
-              "load_s": round(load_s, 1), "policy": cuda.report()}  # fmt: skip
+    result = {
+        "shape": shape.key(),
+        "block_size": drafter.block_size if drafter else None,
+        "kv": kv,
+        "prompt_tokens": len(prompt),
+        "max_tokens": n,
+        "build_s": round(build_s, 1),
+        "load_s": round(load_s, 1),
+        "policy": cuda.report(),
+    }
     say("plain decode: this engine vs mlx-lm")
     figures, plain_tokens = plain_figures(target, prompt, n, args.repeats, kv)
     result.update(figures)
@@ -242,8 +255,9 @@ def seed(args) -> dict:
     if drafter is None:  # --plain-only
         return result
     say(f"rounds at block {drafter.block_size}, acceptance forced")
-    rounds = round_figures(target, drafter, prompt, n, kv, args.split_tau, result["plain_tok_s"],
-                           plain_tokens)  # fmt: skip
+    rounds = round_figures(
+        target, drafter, prompt, n, kv, args.split_tau, result["plain_tok_s"], plain_tokens
+    )
     result.update(rounds)
     say(f"rounds: {json.dumps(rounds)}")
     if not args.no_phases:
@@ -252,29 +266,39 @@ def seed(args) -> dict:
         say("per-phase timings")
         taps = target.prefill(prompt, target.make_cache(kv), tap_ids)[1]
         result["phases"] = layer_phases(target, cache, reps=args.reps)
-        result["phases"]["drafter"] = drafter_phases(target, drafter, mx.concatenate(taps),
-                                                     args.reps)  # fmt: skip
+        result["phases"]["drafter"] = drafter_phases(
+            target, drafter, mx.concatenate(taps), args.reps
+        )
     for mode in other_kv:
         say(f"kv {mode}: plain and speculative at forced tau 5")
         p_tok, _, p_s = _decode(Decoder(target), prompt, n, mode)
-        s_tok, _, s_s = _decode(ForcedDecoder(target, drafter, drafter.block_size, 5), prompt,
-                                n, mode)  # fmt: skip
-        result[f"kv_{mode}"] = {"plain_tok_s": round((len(p_tok) - 1) / p_s, 2),
-                                "speculative_tau5_tok_s": round((len(s_tok) - 1) / s_s, 2),
-                                "plain_equals_fp16_tokens":
-                                    f"{_same_prefix(p_tok, plain_tokens)}/{n}"}  # fmt: skip
+        s_tok, _, s_s = _decode(
+            ForcedDecoder(target, drafter, drafter.block_size, 5), prompt, n, mode
+        )
+        result[f"kv_{mode}"] = {
+            "plain_tok_s": round((len(p_tok) - 1) / p_s, 2),
+            "speculative_tau5_tok_s": round((len(s_tok) - 1) / s_s, 2),
+            "plain_equals_fp16_tokens": f"{_same_prefix(p_tok, plain_tokens)}/{n}",
+        }
     return result
 
 
 def add_parser(bsub) -> None:
-    s = bsub.add_parser("seed", help="the seed's shapes on random weights: plain vs mlx-lm, "
-                        "verify/decode, round split, break-even tau")  # fmt: skip
+    s = bsub.add_parser(
+        "seed",
+        help="the seed's shapes on random weights: plain vs mlx-lm, "
+        "verify/decode, round split, break-even tau",
+    )
     s.add_argument("--dir", help="checkpoint cache (default ~/.cache/sanctum/seed)")
     s.add_argument("--layers", type=int, help="target depth (default 64)")
-    s.add_argument("--scale", choices=("auto", "seed", "small"), default="auto",
-                   help="small: hidden 256, intermediate 512, vocab 8192, 2 drafter layers "
-                   "(the head shapes stay the seed's); auto: seed on a GPU, small on a CPU, "
-                   "which cannot run the seed's width in minutes")  # fmt: skip
+    s.add_argument(
+        "--scale",
+        choices=("auto", "seed", "small"),
+        default="auto",
+        help="small: hidden 256, intermediate 512, vocab 8192, 2 drafter layers "
+        "(the head shapes stay the seed's); auto: seed on a GPU, small on a CPU, "
+        "which cannot run the seed's width in minutes",
+    )
     s.add_argument("--hidden", type=int)
     s.add_argument("--intermediate", type=int)
     s.add_argument("--vocab", type=int)
@@ -287,6 +311,9 @@ def add_parser(bsub) -> None:
     s.add_argument("--split-tau", type=int, default=5, help="forced tau of the round split")
     s.add_argument("--kv", default="fp16,q8", help="KV formats: the first is measured in full")
     s.add_argument("--no-phases", action="store_true")
-    s.add_argument("--plain-only", action="store_true",
-                   help="no drafter: plain vs mlx-lm and verify/decode only (an A/B of MLX settings)")  # fmt: skip
+    s.add_argument(
+        "--plain-only",
+        action="store_true",
+        help="no drafter: plain vs mlx-lm and verify/decode only (an A/B of MLX settings)",
+    )
     s.add_argument("--json", action="store_true")

@@ -50,8 +50,10 @@ class SeedShape:
 
     def key(self) -> str:
         d_int = self.drafter_intermediate or self.intermediate
-        return (f"L{self.layers}-H{self.hidden}-I{self.intermediate}-V{self.vocab}"
-                f"-D{self.drafter_layers}x{d_int}")  # fmt: skip
+        return (
+            f"L{self.layers}-H{self.hidden}-I{self.intermediate}-V{self.vocab}"
+            f"-D{self.drafter_layers}x{d_int}"
+        )
 
     @property
     def tap_ids(self) -> list[int]:
@@ -100,10 +102,17 @@ def target_config(shape: SeedShape) -> dict:
     }
     q = {"group_size": GROUP, "bits": BITS, "mode": "affine"}
     # on a CPU the loader unpacks it to float32: MLX's CPU 4-bit/bf16 kernels are ~100x slower
-    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-            "text_config": text, "tie_word_embeddings": False, "eos_token_id": 0,
-            "torch_dtype": "bfloat16", "quantization": q, "quantization_config": q,
-            "dequantize_on_cpu": True}  # fmt: skip
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "eos_token_id": 0,
+        "torch_dtype": "bfloat16",
+        "quantization": q,
+        "quantization_config": q,
+        "dequantize_on_cpu": True,
+    }
 
 
 def drafter_config(shape: SeedShape, block_size: int = 8) -> dict:
@@ -146,14 +155,18 @@ def _packed(shape: tuple[int, ...], fan_in: int, std: float, key) -> dict[str, m
     """A 4-bit affine-quantized matrix [*shape] given as (weight, scales, biases) of random
     nibbles: mean 0, spread `std`."""
     rows, cols = shape
-    lo, hi = (mx.random.randint(0, 1 << 16, (rows, cols * BITS // 32), dtype=mx.uint32, key=k)
-              for k in mx.random.split(key))  # fmt: skip
+    lo, hi = (
+        mx.random.randint(0, 1 << 16, (rows, cols * BITS // 32), dtype=mx.uint32, key=k)
+        for k in mx.random.split(key)
+    )
     packed = lo | (hi << 16)  # 8 uniform nibbles per word (16-bit draws are exact in float32)
     scale = std / _NIBBLE_STD
     groups = (rows, cols // GROUP)
-    return {"weight": packed,
-            "scales": mx.full(groups, scale, mx.bfloat16),
-            "biases": mx.full(groups, -7.5 * scale, mx.bfloat16)}  # fmt: skip
+    return {
+        "weight": packed,
+        "scales": mx.full(groups, scale, mx.bfloat16),
+        "biases": mx.full(groups, -7.5 * scale, mx.bfloat16),
+    }
 
 
 def _target_weights(model: nn.Module, seed: int) -> dict[str, mx.array]:
@@ -226,8 +239,9 @@ def write_drafter(out: Path, shape: SeedShape, seed: int = 1) -> Path:
     raw = drafter_config(shape)
     cfg = DrafterConfig.from_dict(raw)
     key = mx.random.key(seed)
-    params = dict(tree_flatten(DraftBody(cfg, len(cfg.target_layer_ids) * cfg.hidden_size)
-                               .parameters()))  # fmt: skip
+    params = dict(
+        tree_flatten(DraftBody(cfg, len(cfg.target_layer_ids) * cfg.hidden_size).parameters())
+    )
     params.update(tree_flatten(DraftHead(cfg, None).parameters()))
     weights = {}
     for name, v in params.items():

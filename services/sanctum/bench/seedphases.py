@@ -84,8 +84,10 @@ def layer_phases(target: Target, cache: list, rows=(1, 4, 8, 16), reps: int = 8)
         )
         out["lm_head"][L] = per_call_ms(lambda x=x: [target.lm_head(target.norm(x[0]))], reps)
     if gdn_i is not None:
-        out["gdn_parts"] = {L: gdn_parts(target.layers[gdn_i].linear_attn, cache[gdn_i],
-                                         target.dtype, L, reps) for L in (1, 8)}  # fmt: skip
+        out["gdn_parts"] = {
+            L: gdn_parts(target.layers[gdn_i].linear_attn, cache[gdn_i], target.dtype, L, reps)
+            for L in (1, 8)
+        }
     return out
 
 
@@ -96,10 +98,14 @@ def gdn_parts(mod: nn.Module, c: ArraysCache, dtype: mx.Dtype, L: int, reps: int
     qkv, z, b, a = gdn._project(mod, x)
     conv_in = mx.concatenate([c[0], qkv], axis=1)
     conv_out = nn.silu(mod.conv1d(conv_in))
-    q, k, v = [t.reshape(1, L, h, d) for t, h, d in zip(
-        mx.split(conv_out, [mod.key_dim, 2 * mod.key_dim], -1),
-        [mod.num_k_heads, mod.num_k_heads, mod.num_v_heads],
-        [mod.head_k_dim, mod.head_k_dim, mod.head_v_dim])]  # fmt: skip
+    q, k, v = [
+        t.reshape(1, L, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [mod.key_dim, 2 * mod.key_dim], -1),
+            [mod.num_k_heads, mod.num_k_heads, mod.num_v_heads],
+            [mod.head_k_dim, mod.head_k_dim, mod.head_v_dim],
+        )
+    ]
     q, k = normalize_qk(q, k, inv_scale=mod.head_k_dim**-0.5, eps=1e-6)
     beta = mx.sigmoid(b)
     log_g = -mx.exp(mod.A_log.astype(mx.float32)) * nn.softplus(a + mod.dt_bias)

@@ -144,9 +144,11 @@ class PromptStore:
                 self.max_bytes,
             )
             return None
-        mx.eval([a for layer in entry.kv for a in layer],
-                [a for s in entry.rungs.values() for pair in s for a in pair],
-                entry.taps if entry.taps is not None else [])  # fmt: skip
+        mx.eval(
+            [a for layer in entry.kv for a in layer],
+            [a for s in entry.rungs.values() for pair in s for a in pair],
+            entry.taps if entry.taps is not None else [],
+        )
         if not entry.entry_id:
             with self._lock:
                 entry.entry_id = f"{int(time.time() * 1000):x}-{os.getpid():x}-{next(self._ids):x}"
@@ -249,16 +251,28 @@ class PromptStore:
             raise ValueError("tensor file does not match its checksum (truncated or corrupt)")
         tensors = mx.load(str(tensor_file))
         tokens = np.frombuffer(meta["tokens"], dtype=np.int32).copy()
-        layout = EntryLayout(tuple(meta["kv_layers"]), tuple(int(p) for p in meta["rungs"]),
-                             meta["gdn_layers"], meta["has_taps"])  # fmt: skip
+        layout = EntryLayout(
+            tuple(meta["kv_layers"]),
+            tuple(int(p) for p in meta["rungs"]),
+            meta["gdn_layers"],
+            meta["has_taps"],
+        )
         kv, rungs, taps = unflatten(layout, [tensors[name] for name in layout.names()])
         for layer in kv:
             if any(a.shape[-2] != len(tokens) for a in layer if a.ndim == 4):
                 raise ValueError("KV length does not match the token count")
         if any(p > len(tokens) for p in rungs):
             raise ValueError("a rung lies beyond the entry's tokens")
-        return CacheEntry(meta["model_key"], meta["kv_mode"], tokens, kv, rungs, taps,
-                          entry_id=meta_file.stem, created=float(meta["created"]))  # fmt: skip
+        return CacheEntry(
+            meta["model_key"],
+            meta["kv_mode"],
+            tokens,
+            kv,
+            rungs,
+            taps,
+            entry_id=meta_file.stem,
+            created=float(meta["created"]),
+        )
 
 
 def _file_digest(path: Path) -> str:

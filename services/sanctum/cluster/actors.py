@@ -38,15 +38,19 @@ log = logging.getLogger("sanctum.cluster")
 
 
 def _setup_process(processes: RoleProcesses) -> None:
-    logging.basicConfig(level=processes.log_level,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=processes.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     nice = os.getpriority(os.PRIO_PROCESS, 0)
     if nice > 0:
         try:
             os.setpriority(os.PRIO_PROCESS, 0, 0)
         except OSError:  # lowering it takes privileges: say how to start Ray instead
-            log.warning("running at niceness %d (Ray's worker_niceness); start Ray with "
-                        "RAY_worker_niceness=0 for full speed", nice)  # fmt: skip
+            log.warning(
+                "running at niceness %d (Ray's worker_niceness); start Ray with "
+                "RAY_worker_niceness=0 for full speed",
+                nice,
+            )
     # Python's GIL switch interval (5 ms) unless told: 0.5 ms, the earlier default here, made the
     # tiny pair's isolation tax 0.5-3 points worse in three back-to-back pairs of runs
     if processes.switch_interval_s:
@@ -69,8 +73,14 @@ class DrafterActor:
         e = settings.engine
 
         def load():  # on the server's MLX thread: MLX streams belong to the thread that made them
-            drafter = load_drafter(e.drafter, None, block_size=e.block_size, bits=e.drafter_bits,
-                                   parts="body", target_shape=shape)  # fmt: skip
+            drafter = load_drafter(
+                e.drafter,
+                None,
+                block_size=e.block_size,
+                bits=e.drafter_bits,
+                parts="body",
+                target_shape=shape,
+            )
             self.service = DraftService(drafter)
             self.bits = drafter.bits
             return self.service.handle
@@ -78,12 +88,20 @@ class DrafterActor:
         self.server = SocketServer(load, lambda client: self.service.drop_client(client))
         self.server.wait_ready()
         self.info = roles.DrafterInfo(
-            node_id=ray.get_runtime_context().get_node_id(), address=self.server.address,
-            authkey=self.server.authkey, pid=os.getpid(), drafter=e.drafter, bits=self.bits,
+            node_id=ray.get_runtime_context().get_node_id(),
+            address=self.server.address,
+            authkey=self.server.authkey,
+            pid=os.getpid(),
+            drafter=e.drafter,
+            bits=self.bits,
             started=time.time(),
-        )  # fmt: skip
-        log.info("drafter: body loaded (%s, bits=%d), listening on %s", e.drafter, self.bits,
-                 self.server.address)  # fmt: skip
+        )
+        log.info(
+            "drafter: body loaded (%s, bits=%d), listening on %s",
+            e.drafter,
+            self.bits,
+            self.server.address,
+        )
 
     def connect(self) -> bytes:
         """How to reach this drafter (DrafterInfo)."""
@@ -126,8 +144,9 @@ class StoreActor:
         from .store import StoreService
 
         self.service = StoreService(PromptStore(cache.max_bytes, cache.directory))
-        log.info("ladder store: %d entries loaded from %s", len(self.service.store),
-                 cache.directory)  # fmt: skip
+        log.info(
+            "ladder store: %d entries loaded from %s", len(self.service.store), cache.directory
+        )
 
     def ping(self) -> int:
         return os.getpid()
@@ -192,8 +211,11 @@ class VerifierActor:
         self.scheduler.wait_ready()
         self.verifier = self.scheduler.verifier
         self.events = EventServer(self._submit, self.scheduler.cancel)
-        log.info("verifier: %s loaded; drafter transport %s", settings.engine.model,
-                 self.peer.kind if self.peer else "none")  # fmt: skip
+        log.info(
+            "verifier: %s loaded; drafter transport %s",
+            settings.engine.model,
+            self.peer.kind if self.peer else "none",
+        )
 
     def ready(self) -> None:
         """Answers once the models are loaded (the constructor waits for them)."""
@@ -234,8 +256,9 @@ class VerifierActor:
         return self.scheduler.cancel(request_id)
 
     def stats(self) -> Stats:
-        out = serving_stats("cluster", self.settings, self.verifier, self.scheduler.stats(),
-                            self.peer)  # fmt: skip
+        out = serving_stats(
+            "cluster", self.settings, self.verifier, self.scheduler.stats(), self.peer
+        )
         # the verifier's own view of the store (it may not have seen a restart yet)
         seen = self.store is not None and self.store.available
         return replace(out, cache=CacheStats(available=seen))

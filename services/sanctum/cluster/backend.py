@@ -65,8 +65,13 @@ def start_cluster(settings: ServeSettings, round_delay: RoundDelay | None = None
         env = {"env_vars": {"OMP_NUM_THREADS": threads[role]}}
         if role != "store":  # idle BLAS workers would hold a core through the other one's turn
             env["env_vars"]["OPENBLAS_THREAD_TIMEOUT"] = settings.processes.blas_thread_timeout
-        return dict(num_cpus=0, max_restarts=-1, runtime_env=env, **kw,
-                    **({"resources": res} if res else {}))  # fmt: skip
+        return dict(
+            num_cpus=0,
+            max_restarts=-1,
+            runtime_env=env,
+            **kw,
+            **({"resources": res} if res else {}),
+        )
 
     prefix = f"sanctum-{uuid.uuid4().hex[:8]}"
     store = StoreActor.options(**opts("store", name=f"{prefix}-store", max_task_retries=0)).remote(
@@ -119,8 +124,9 @@ class ClusterBackend:
         self._event_client(timeout)
         self._restarting = False
         if self.events_path == "ray" and self._probe is None:
-            self._probe = threading.Thread(target=self._probe_loop, name="sanctum-verifier-probe",
-                                           daemon=True)  # fmt: skip
+            self._probe = threading.Thread(
+                target=self._probe_loop, name="sanctum-verifier-probe", daemon=True
+            )
             self._probe.start()
 
     def _probe_loop(self, every_s: float = 1.0) -> None:

@@ -111,9 +111,18 @@ class RemoteDraftPeer:
         self._connecting = None  # ObjectRef of a pending `connect`
         self._last_try = 0.0
         self.sessions: dict[str, int] = {}  # seq_id -> generation it was opened on
-        self.stats = {"calls": 0, "compute_s": 0.0, "wait_s": 0.0, "submit_s": 0.0, "hidden": 0,
-                      "latency_calls": 0, "transport_s": 0.0, "bytes": 0, "reconnects": 0,
-                      "failures": 0}  # fmt: skip
+        self.stats = {
+            "calls": 0,
+            "compute_s": 0.0,
+            "wait_s": 0.0,
+            "submit_s": 0.0,
+            "hidden": 0,
+            "latency_calls": 0,
+            "transport_s": 0.0,
+            "bytes": 0,
+            "reconnects": 0,
+            "failures": 0,
+        }
         self.info: roles.DrafterInfo | None = None
         self._lock = threading.Lock()
         self._start_connect()

@@ -99,8 +99,9 @@ class EventServer:
     ):
         self.submit, self.cancel = submit, cancel
         self.connections: set[_FrontEnd] = set()
-        self.listener = UnixListener(lambda conn: self.connections.add(_FrontEnd(conn, self)),
-                                     "events")  # fmt: skip
+        self.listener = UnixListener(
+            lambda conn: self.connections.add(_FrontEnd(conn, self)), "events"
+        )
         self.address, self.authkey = self.listener.address, self.listener.authkey
 
     def close(self) -> None:
@@ -136,8 +137,12 @@ class _FrontEnd:
         threading.Thread(target=self._send_loop, name="snc-events-out", daemon=True).start()
 
     def _read_loop(self) -> None:
-        read_messages(self.conn, roles.FrontEndMessage.FromString, self._on_message,
-                      "a front end's message failed")  # fmt: skip
+        read_messages(
+            self.conn,
+            roles.FrontEndMessage.FromString,
+            self._on_message,
+            "a front end's message failed",
+        )
         self.gone()
 
     def _on_message(self, msg: roles.FrontEndMessage) -> None:
@@ -251,8 +256,12 @@ class EventClient:
                 self.conn.send_bytes(data)
 
     def _read_loop(self) -> None:
-        read_messages(self.conn, roles.VerifierEvents.FromString, self._route,
-                      "unreadable message from the verifier")  # fmt: skip
+        read_messages(
+            self.conn,
+            roles.VerifierEvents.FromString,
+            self._route,
+            "unreadable message from the verifier",
+        )
         hung_up = not self.broken
         self.close()
         if hung_up and self.on_lost is not None:

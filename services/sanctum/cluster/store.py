@@ -42,15 +42,26 @@ class StoreService:
         q = roles.PlanQuery.FromString(query)
         plan = self.store.plan(q.model_key, np.asarray(q.prompt_ids, dtype=np.int32))
         layout, arrays = flatten(plan.kv, plan.rungs, plan.taps)
-        header = roles.ResumePlanHeader(requested_lcp=plan.requested_lcp, resumed_at=plan.resumed_at,
-                                        entry_id=plan.entry_id or "", layout=layout)  # fmt: skip
+        header = roles.ResumePlanHeader(
+            requested_lcp=plan.requested_lcp,
+            resumed_at=plan.resumed_at,
+            entry_id=plan.entry_id or "",
+            layout=layout,
+        )
         return header.SerializeToString(), host_copies(arrays)
 
     def put(self, header: bytes, arrays: list[np.ndarray]) -> str:
         h = roles.EntryHeader.FromString(header)
         kv, rungs, taps = unflatten(h.layout, arrays)
-        entry = CacheEntry(h.model_key, h.kv_mode, np.asarray(h.tokens, dtype=np.int32), kv, rungs,
-                           taps, created=h.created or time.time())  # fmt: skip
+        entry = CacheEntry(
+            h.model_key,
+            h.kv_mode,
+            np.asarray(h.tokens, dtype=np.int32),
+            kv,
+            rungs,
+            taps,
+            created=h.created or time.time(),
+        )
         return self.store.put(entry) or ""
 
     def list(self, model_key: str = "") -> list[EntryInfo]:
@@ -103,8 +114,10 @@ class StoreProxy:
                     return
 
     def _down(self, exc: Exception) -> StoreUnavailable:
-        log.warning("ladder store unavailable (%s); serving uncached until it is back",
-                    exc.__class__.__name__)  # fmt: skip
+        log.warning(
+            "ladder store unavailable (%s); serving uncached until it is back",
+            exc.__class__.__name__,
+        )
         if self._probe is None:
             self._probe = self.handle.ping.remote()
         return StoreUnavailable(str(exc))
@@ -119,8 +132,9 @@ class StoreProxy:
             raise StoreUnavailable("the ladder store is restarting")
         query = roles.PlanQuery(model_key=model_key, prompt_ids=[int(t) for t in prompt_ids])
         try:
-            header, arrays = ray.get(self.handle.plan.remote(query.SerializeToString()),
-                                     timeout=self.timeout_s)  # fmt: skip
+            header, arrays = ray.get(
+                self.handle.plan.remote(query.SerializeToString()), timeout=self.timeout_s
+            )
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
             raise self._down(exc) from None
         h = roles.ResumePlanHeader.FromString(header)
@@ -136,11 +150,19 @@ class StoreProxy:
         if self._probe is not None:
             return  # the store is away: this entry is not saved
         if self.max_transfer_bytes and entry.nbytes > self.max_transfer_bytes:
-            log.warning("prompt cache: entry of %d bytes exceeds the transfer limit %d (a quarter "
-                        "of the object store); not saved", entry.nbytes, self.max_transfer_bytes)  # fmt: skip
+            log.warning(
+                "prompt cache: entry of %d bytes exceeds the transfer limit %d (a quarter "
+                "of the object store); not saved",
+                entry.nbytes,
+                self.max_transfer_bytes,
+            )
             return
         layout, arrays = flatten(entry.kv, entry.rungs, entry.taps)
-        header = roles.EntryHeader(model_key=entry.model_key, kv_mode=entry.kv_mode,
-                                   tokens=entry.tokens.tolist(), layout=layout,
-                                   created=entry.created)  # fmt: skip
+        header = roles.EntryHeader(
+            model_key=entry.model_key,
+            kv_mode=entry.kv_mode,
+            tokens=entry.tokens.tolist(),
+            layout=layout,
+            created=entry.created,
+        )
         self.handle.put.remote(header.SerializeToString(), ray.put(host_copies(arrays)))

@@ -193,8 +193,10 @@ class SocketServer:
             if hidden is not None:
                 call = req.draft
                 if hidden.nbytes > call.reply_capacity:  # the verifier reserved too little
-                    reply = roles.DraftReply(error=f"hidden states of {hidden.nbytes} bytes do "
-                                             f"not fit the {call.reply_capacity} reserved")  # fmt: skip
+                    reply = roles.DraftReply(
+                        error=f"hidden states of {hidden.nbytes} bytes do "
+                        f"not fit the {call.reply_capacity} reserved"
+                    )
                 else:
                     (ref,) = slot.write([hidden], call.reply_offset)
                     reply.hidden.CopyFrom(ref)
@@ -256,8 +258,11 @@ class ShmChannel:
         """First fit among the regions in flight in the current slot; grows the slot if none."""
         nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         if self.slot is not None:
-            used = sorted((f.offset, f.offset + f.size) for f in self._in_flight.values()
-                          if f.slot is self.slot)  # fmt: skip
+            used = sorted(
+                (f.offset, f.offset + f.size)
+                for f in self._in_flight.values()
+                if f.slot is self.slot
+            )
             at = 0
             for lo, hi in used:
                 if lo - at >= nbytes:
@@ -387,8 +392,10 @@ class ObjectStoreChannel:
     def submit(self, req, arrays, reply_bytes: int = 0) -> int:
         import ray
 
-        refs = [roles.TensorRef(offset=i, shape=a.shape, dtype=dtype_name(a.dtype))
-                for i, a in enumerate(arrays)]  # fmt: skip
+        refs = [
+            roles.TensorRef(offset=i, shape=a.shape, dtype=dtype_name(a.dtype))
+            for i, a in enumerate(arrays)
+        ]
         _fill_refs(req, refs)
         self._next_id += 1
         req.call_id = self._next_id

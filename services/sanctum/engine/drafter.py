@@ -63,8 +63,10 @@ class ContextCache:
             self.begin = max(self.begin, self.end - self.window)
 
     def fetch(self) -> tuple[mx.array, mx.array]:
-        return (self.keys[..., self.begin : self.end, :],
-                self.values[..., self.begin : self.end, :])  # fmt: skip
+        return (
+            self.keys[..., self.begin : self.end, :],
+            self.values[..., self.begin : self.end, :],
+        )
 
     @property
     def num_rows(self) -> int:
@@ -101,8 +103,10 @@ class DraftAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig, sliding: bool):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-        )  # fmt: skip
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         dim = cfg.hidden_size
         self.q_proj = nn.Linear(dim, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=False)

@@ -98,10 +98,19 @@ class DrafterConfig:
             rope_theta = rope_theta or rope_params.get("rope_theta")
             if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
-        opt = {k: dcfg[k] for k in (
-            "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-            "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
-        ) if dcfg.get(k) is not None}  # fmt: skip
+        opt = {
+            k: dcfg[k]
+            for k in (
+                "conv_kernel_size",
+                "conv_group_size",
+                "selector_rank",
+                "selector_top_k",
+                "input_embedding_scale",
+                "output_multiplier",
+                "final_logit_softcapping",
+            )
+            if dcfg.get(k) is not None
+        }
         if "final_logit_softcapping" not in opt and raw.get("final_logit_softcapping"):
             opt["final_logit_softcapping"] = raw["final_logit_softcapping"]
         return cls(

@@ -153,8 +153,16 @@ class Decoder:
         """An empty sequence with its request's constants; `keep_taps`: keep every tap row
         (the prompt cache saves them)."""
         taps = TapLog(self.max_pending_rows, keep_all=keep_taps)
-        return Sequence(seq_id, self.target.make_cache(kv_mode), [], taps, sampling, max_tokens,
-                        frozenset(eos_ids), stop_check)  # fmt: skip
+        return Sequence(
+            seq_id,
+            self.target.make_cache(kv_mode),
+            [],
+            taps,
+            sampling,
+            max_tokens,
+            frozenset(eos_ids),
+            stop_check,
+        )
 
     def prefill(
         self,

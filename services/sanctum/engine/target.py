@@ -260,8 +260,10 @@ class DequantizedView:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         c = self.cache
         qk, qv = c.update_and_fetch(keys, values)
-        return (mx.dequantize(*qk, group_size=c.group_size, bits=c.bits),
-                mx.dequantize(*qv, group_size=c.group_size, bits=c.bits))  # fmt: skip
+        return (
+            mx.dequantize(*qk, group_size=c.group_size, bits=c.bits),
+            mx.dequantize(*qv, group_size=c.group_size, bits=c.bits),
+        )
 
 
 def _residual_mlp(layer, h: mx.array, r: mx.array) -> mx.array:

@@ -56,8 +56,9 @@ def load_models(e: EngineSettings, parts: str = "both") -> tuple[Target, Drafter
     target = load_target(e.model)
     drafter = None
     if e.drafter:
-        drafter = load_drafter(e.drafter, target, block_size=e.block_size, bits=e.drafter_bits,
-                               parts=parts)  # fmt: skip
+        drafter = load_drafter(
+            e.drafter, target, block_size=e.block_size, bits=e.drafter_bits, parts=parts
+        )
     return target, drafter
 
 
@@ -78,8 +79,16 @@ def make_verifier(
     peer = None
     if drafter is not None:
         peer = remote_peer() if remote_peer is not None else LocalDraftPeer(drafter)
-    return Verifier(target, drafter, peer, store, settings.cache.ladder_depth, e.kv_mode,
-                    e.block_size, settings.max_tokens_limit)  # fmt: skip
+    return Verifier(
+        target,
+        drafter,
+        peer,
+        store,
+        settings.cache.ladder_depth,
+        e.kv_mode,
+        e.block_size,
+        settings.max_tokens_limit,
+    )
 
 
 class InlineBackend:

@@ -131,8 +131,13 @@ class Scheduler:
     @classmethod
     def for_settings(cls, load, settings: ServeSettings) -> Scheduler:
         """The scheduler `sanctum serve` runs: its bounds and prefill slices from `settings`."""
-        return cls(load, settings.max_active, settings.max_queue, settings.prefill_slice,
-                   settings.prefill_slice_ms / 1000.0)  # fmt: skip
+        return cls(
+            load,
+            settings.max_active,
+            settings.max_queue,
+            settings.prefill_slice,
+            settings.prefill_slice_ms / 1000.0,
+        )
 
     @property
     def verifier(self):

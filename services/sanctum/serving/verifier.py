@@ -156,8 +156,12 @@ class Verifier:
         self.store = store
         self.ladder_depth = ladder_depth
         self.kv_mode = kv_mode
-        self.limits = Limits(target.vocab_size, target.max_context, max_tokens_limit,
-                             longest_token_chars(target.tokenizer))  # fmt: skip
+        self.limits = Limits(
+            target.vocab_size,
+            target.max_context,
+            max_tokens_limit,
+            longest_token_chars(target.tokenizer),
+        )
         self.eos_ids = set(target.tokenizer.eos_token_ids)
         self.metrics = Metrics()
         self.model_id = str(target.path) if target.path else f"model-{id(target):x}"
@@ -205,8 +209,15 @@ class Verifier:
         cached = self.store is not None and req.use_cache
         stream = TextStream(self.target.tokenizer, list(req.stop))
         # the request's constants, on its sequence: the sampling parameters built (and checked) once
-        seq = self.decoder.new_sequence(req.request_id, kv, req.sampling(), req.max_tokens,
-                                        self.eos_ids, stream.check, keep_taps=cached)  # fmt: skip
+        seq = self.decoder.new_sequence(
+            req.request_id,
+            kv,
+            req.sampling(),
+            req.max_tokens,
+            self.eos_ids,
+            stream.check,
+            keep_taps=cached,
+        )
         plan = ResumePlan(0, 0)
         if cached:
             plan = self._plan(kv, prompt_ids)
@@ -226,8 +237,17 @@ class Verifier:
             kv=kv,
             mode=mode,
         )
-        act = Active(req, seq, stream, make_key(req.seed), usage, prompt_ids, starts, plan,
-                     started=prep.started)  # fmt: skip
+        act = Active(
+            req,
+            seq,
+            stream,
+            make_key(req.seed),
+            usage,
+            prompt_ids,
+            starts,
+            plan,
+            started=prep.started,
+        )
         if self.store is not None:
             act.stops = prefill_stops(self.ladder_depth, len(prompt_ids), plan.resumed_at, starts)
         if cached and req.messages is not None:
@@ -235,9 +255,15 @@ class Verifier:
         log.info(
             "ladder resume: kv=%s mode=%s prompt_tokens=%d requested_lcp=%d resumed_at=%d "
             "recovered=%d prefix_cached=%d cache_hit_ratio=%.4f",
-            kv, mode, len(prompt_ids), plan.requested_lcp, plan.resumed_at, plan.resumed_at,
-            plan.resumed_at, usage.cache_hit_ratio,
-        )  # fmt: skip
+            kv,
+            mode,
+            len(prompt_ids),
+            plan.requested_lcp,
+            plan.resumed_at,
+            plan.resumed_at,
+            plan.resumed_at,
+            usage.cache_hit_ratio,
+        )
         self.metrics.requests += 1
         self.metrics.prompt_tokens += len(prompt_ids)
         self.metrics.cached_tokens += plan.resumed_at
@@ -249,11 +275,12 @@ class Verifier:
         seq = act.seq
         done = len(seq.cached_tokens)
         end = len(act.prompt_ids) if budget is None else min(len(act.prompt_ids), done + budget)
-        logits = self.decoder.prefill(
-            seq, act.prompt_ids[done:end], act.stops,
-            on_stop=lambda pos: act.captured.__setitem__(pos, self.target.recurrent_state(seq.cache)),
-            final=end == len(act.prompt_ids),
-        )  # fmt: skip
+
+        def capture(position: int) -> None:  # prefill paused at a rung: its GDN states
+            act.captured[position] = self.target.recurrent_state(seq.cache)
+
+        last = end == len(act.prompt_ids)
+        logits = self.decoder.prefill(seq, act.prompt_ids[done:end], act.stops, capture, last)
         if end < len(act.prompt_ids):
             return None
         act.key, sub = mx.random.split(act.key)
@@ -314,14 +341,22 @@ class Verifier:
         next_turn_end = act.watch.position if act.watch is not None else None
         if next_turn_end is not None:
             captured[next_turn_end] = act.watch.state
-        rungs = choose_rungs(self.ladder_depth, len(act.prompt_ids), end, act.message_starts,
-                             captured, act.plan.rungs, next_turn_end)  # fmt: skip
+        rungs = choose_rungs(
+            self.ladder_depth,
+            len(act.prompt_ids),
+            end,
+            act.message_starts,
+            captured,
+            act.plan.rungs,
+            next_turn_end,
+        )
         taps = seq.taps.all()
         if taps is not None and taps.shape[0] != end:
             taps = None  # incomplete history (e.g. resumed without taps): the drafter restarts cold
         kv = act.usage.kv
-        entry = make_entry(self.target, seq.cache, self.model_key(kv), kv, seq.cached_tokens,
-                           rungs, taps)  # fmt: skip
+        entry = make_entry(
+            self.target, seq.cache, self.model_key(kv), kv, seq.cached_tokens, rungs, taps
+        )
         self.store.put(entry)
 
     def _chunk(self, act: Active, step) -> Chunk:
@@ -329,9 +364,12 @@ class Verifier:
         s = step.stats
         usage = act.usage
         usage.completion_tokens = len(act.seq.completion)
-        chunk = Chunk(text, list(step.tokens),
-                      drafted=(s.bs - 1) if s and s.bs > 1 else 0,
-                      accepted=s.accepted if s else 0)  # fmt: skip
+        chunk = Chunk(
+            text,
+            list(step.tokens),
+            drafted=(s.bs - 1) if s and s.bs > 1 else 0,
+            accepted=s.accepted if s else 0,
+        )
         if step.finish_reason is not None:
             chunk.text += act.stream.finish()
             chunk.finish_reason = step.finish_reason

@@ -113,8 +113,14 @@ def chunk_to_proto(
 
 
 def chunk_from_proto(m: pb.GenerateResponse) -> Chunk:
-    return Chunk(m.text, list(m.token_ids), m.drafted, m.accepted, m.finish_reason or None,
-                 usage_from_proto(m.usage) if m.HasField("usage") else None)  # fmt: skip
+    return Chunk(
+        m.text,
+        list(m.token_ids),
+        m.drafted,
+        m.accepted,
+        m.finish_reason or None,
+        usage_from_proto(m.usage) if m.HasField("usage") else None,
+    )
 
 
 def rounds_tau(rounds: list[dict]) -> float | None:
@@ -128,8 +134,11 @@ def rounds_tau(rounds: list[dict]) -> float | None:
 def round_of(m: pb.GenerateResponse | Chunk) -> dict:
     """The seed's per-round line for a response or a chunk (index >= 1): bs, accepted,
     committed."""
-    return {"bs": m.drafted + 1 if m.drafted else 1, "accepted": m.accepted,
-            "committed": len(m.token_ids)}  # fmt: skip
+    return {
+        "bs": m.drafted + 1 if m.drafted else 1,
+        "accepted": m.accepted,
+        "committed": len(m.token_ids),
+    }
 
 
 def stats_to_proto(s: Stats) -> pb.StatsResponse:

@@ -45,9 +45,13 @@ def flatten(
 ) -> tuple[roles.TensorLayout, list[mx.array]]:
     """An entry's tensors as a flat list (cache/layout.py) and its TensorLayout, with dtypes."""
     layout, arrays = entry_layout.flatten(kv, rungs, taps)
-    wire = roles.TensorLayout(kv_layers=layout.kv_layers, rungs=layout.rungs,
-                              gdn_layers=layout.gdn_layers, has_taps=layout.has_taps,
-                              dtypes=[dtype_name(a.dtype) for a in arrays])  # fmt: skip
+    wire = roles.TensorLayout(
+        kv_layers=layout.kv_layers,
+        rungs=layout.rungs,
+        gdn_layers=layout.gdn_layers,
+        has_taps=layout.has_taps,
+        dtypes=[dtype_name(a.dtype) for a in arrays],
+    )
     return wire, arrays
 
 
@@ -55,8 +59,12 @@ def unflatten(
     layout: roles.TensorLayout, arrays: list[np.ndarray]
 ) -> tuple[KV, Rungs, mx.array | None]:
     """The inverse of `flatten` over numpy arrays from another process: (kv, rungs, taps)."""
-    plain = EntryLayout(tuple(layout.kv_layers), tuple(int(p) for p in layout.rungs),
-                        layout.gdn_layers, layout.has_taps)  # fmt: skip
+    plain = EntryLayout(
+        tuple(layout.kv_layers),
+        tuple(int(p) for p in layout.rungs),
+        layout.gdn_layers,
+        layout.has_taps,
+    )
     return entry_layout.unflatten(plain, [from_numpy(x, d) for x, d in zip(arrays, layout.dtypes)])
 
 
