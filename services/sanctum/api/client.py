@@ -22,11 +22,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..settings import client_token
-from ..wire.convert import round_of, rounds_tau
+from ..wire.convert import KV_TO_WIRE, round_of, rounds_tau
 from ..wire.gen import inference_pb2 as pb
 from ..wire.gen import inference_pb2_grpc as pb_grpc
-
-_KV = {None: pb.KV_MODE_UNSPECIFIED, "fp16": pb.KV_MODE_FP16, "q8": pb.KV_MODE_Q8}
 
 
 def make_request(
@@ -45,7 +43,7 @@ def make_request(
     request_id: str = "",
 ) -> pb.GenerateRequest:
     """A GenerateRequest; None leaves a field unset (the server's default applies)."""
-    req = pb.GenerateRequest(stop=list(stop), kv_mode=_KV[kv_mode], request_id=request_id)
+    req = pb.GenerateRequest(stop=list(stop), kv_mode=KV_TO_WIRE[kv_mode], request_id=request_id)
     if prompt is not None:
         req.text = prompt
     elif token_ids is not None:

@@ -161,7 +161,7 @@ def validate(req: GenerateRequest, limits: Limits) -> None:
         raise InvalidRequest("top_p", f"must be in (0, 1], got {req.top_p}")
     if req.top_k is not None and req.top_k < 0:
         raise InvalidRequest("top_k", f"must be >= 0, got {req.top_k}")
-    if req.kv_mode not in (None, "", "fp16", "q8"):
+    if req.kv_mode not in (None, "", *kv_modes()):
         raise InvalidRequest("kv_mode", f"must be fp16 or q8, got {req.kv_mode!r}")
     if len(req.stop) > MAX_STOP_SEQUENCES:
         raise InvalidRequest(
@@ -174,6 +174,14 @@ def validate(req: GenerateRequest, limits: Limits) -> None:
             raise InvalidRequest(
                 f"stop[{i}]", f"{len(s)} characters; at most {MAX_STOP_CHARS} are allowed"
             )
+
+
+def kv_modes() -> tuple[str, ...]:
+    """The engine's KV formats (engine/target.py; imported here only when validating, so that
+    a client importing the request types does not load mlx-lm)."""
+    from ..engine.target import KV_MODES
+
+    return KV_MODES
 
 
 def _too_long(chars: int, limits: Limits) -> str:

@@ -17,8 +17,9 @@ from ..serving.stats import EntryInfo, Stats
 from .gen import inference_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 64
+# the KvMode enum <-> the engine's KV formats (engine/target.py KV_MODES)
 _KV = {pb.KV_MODE_UNSPECIFIED: None, pb.KV_MODE_FP16: "fp16", pb.KV_MODE_Q8: "q8"}
-_KV_BACK = {v: k for k, v in _KV.items()}
+KV_TO_WIRE = {v: k for k, v in _KV.items()}
 # request dataclass field -> public proto field
 _WIRE_FIELDS = {"prompt": "text", "prompt_ids": "token_ids", "messages": "chat.messages"}
 
@@ -73,7 +74,7 @@ def request_to_proto(
     """`req` as the public message; filled into `out` when given (no copy)."""
     m = pb.GenerateRequest() if out is None else out
     m.max_tokens, m.use_cache, m.request_id = req.max_tokens, req.use_cache, req.request_id
-    m.kv_mode = _KV_BACK.get(req.kv_mode or None, pb.KV_MODE_UNSPECIFIED)
+    m.kv_mode = KV_TO_WIRE.get(req.kv_mode or None, pb.KV_MODE_UNSPECIFIED)
     m.stop.extend(req.stop)
     if req.prompt is not None:
         m.text = req.prompt
