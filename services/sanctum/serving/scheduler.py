@@ -191,9 +191,7 @@ class Scheduler:
         except InvalidRequest as exc:
             return self._finish(rid, ticket, exc)
         except Exception as exc:
-            log.exception("request %s failed in preparation", rid)
-            self.counters["failed"] += 1
-            return self._finish(rid, ticket, InternalError(f"{exc.__class__.__name__}: {exc}"))
+            return self._fail(rid, None, ticket, exc, "in preparation")
         with self._cv:
             self._preparing.discard(rid)
             if self._stopped:  # the worker thread may be parked for good: end it here
@@ -316,17 +314,17 @@ class Scheduler:
         except InvalidRequest as exc:
             return self._finish(rid, ticket, exc)
         except Exception as exc:
-            log.exception("request %s failed at open", rid)
-            self.counters["failed"] += 1
-            return self._finish(rid, ticket, InternalError(f"{exc.__class__.__name__}: {exc}"))
+            return self._fail(rid, None, ticket, exc, "at open")
         with self._cv:  # one step from "opening" to "prefilling": never counted twice
             self._prefilling[rid] = (act, ticket)
             self._opening.discard(rid)
 
     def _fail(self, request_id: str, act, ticket: Ticket, exc: Exception, where: str) -> None:
-        """A request broke inside the engine: free it (its cache is not saved), tell its caller."""
+        """A request broke inside the engine: free its sequence if it has one (its cache is not
+        saved), tell its caller (InternalError; the other requests go on)."""
         log.exception("request %s failed %s", request_id, where)
-        self._close(act, save=False)
+        if act is not None:
+            self._close(act, save=False)
         self.counters["failed"] += 1
         self._finish(request_id, ticket, InternalError(f"{exc.__class__.__name__}: {exc}"))
 
