@@ -1,5 +1,6 @@
-"""`sanctum serve`: its flags, and the process around the server (signals, a local Ray cluster
-on loopback, drain). grpc and Ray are imported when the command runs."""
+"""`sanctum serve`: its flags (settings.py builds the settings from them), and the process
+around the server (signals, a local Ray cluster on loopback, drain). grpc and Ray are imported
+when the command runs."""
 
 from __future__ import annotations
 

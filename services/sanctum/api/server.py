@@ -1,5 +1,7 @@
 """The gRPC front end: `sanctum.v1.Inference`, `grpc.health.v1` and server reflection, over a
-backend (the roles inline, or the Ray actor cluster; see cluster/backend.py).
+backend (the roles inline, serving/inline.py, or the Ray actor cluster, cluster/backend.py):
+requests and chunks converted once here (wire/convert.py), errors mapped once
+(wire/errors.py).
 
 Admission cannot be starved. The server is grpcio's asyncio one, on its own event-loop thread:
 an open stream costs a coroutine, not a thread, so health and reflection always answer, however

@@ -1,5 +1,6 @@
-"""Benchmarks: commands with fixed arguments that print figures (speed is measured here, never
-asserted in tests). Ratios are measured within one run, plain and speculative interleaved."""
+"""`sanctum bench ...`: benchmarks are commands with fixed arguments that print figures (speed
+is measured here, never asserted in tests); ratios are measured within one run, the compared
+modes interleaved. The top of the house: a bench may use any layer below."""
 
 from __future__ import annotations
 
@@ -58,28 +59,28 @@ def register(sub) -> None:
 
 
 def isolation(args) -> dict:
-    """Actor cluster vs inline (cluster/isolation.py)."""
+    """Actor cluster vs inline (bench/isolation.py)."""
     from .isolation import run
 
     return run(args)
 
 
 def abuse(args) -> dict:
-    """A normal stream's worst gap while abusive clients hammer the server (api/abuse.py)."""
+    """A normal stream's worst gap while abusive clients hammer the server (bench/abuse.py)."""
     from .abuse import run
 
     return run(args)
 
 
 def seed(args) -> dict:
-    """The seed's shapes on random weights (seedbench.py)."""
+    """The seed's shapes on random weights (bench/seed.py)."""
     from .seed import seed as run
 
     return run(args)
 
 
 def cuda(args) -> dict:
-    """The CUDA-only paths checked and timed (cudabench.py)."""
+    """The CUDA-only paths checked and timed (bench/cuda.py)."""
     from .cuda import run
 
     return run(args)

@@ -1,5 +1,7 @@
-"""The actor cluster: verifier, drafter and ladder store, each its own Ray actor process, and the
-front end's `ClusterBackend` that talks to them.
+"""The actor cluster's roles: verifier, drafter and ladder store, each its own Ray actor process
+(the front end's side is cluster/backend.py). Each actor wraps the Ray-free role core (the
+serving scheduler and verifier, cluster/drafter.py's DraftService, cluster/store.py's
+StoreService) and speaks the role contracts (roles.proto) through wire/.
 
 - `VerifierActor`: the target, its live caches and the `Scheduler` (the same one inline mode
   uses); the drafter head (the target's LM head + DFlash 2 selector) lives here, see

@@ -3,7 +3,8 @@
 The store actor owns a `PromptStore` (persisted in a directory, so a restarted actor reloads
 its entries). Bulk cache transfers (KV prefixes, rungs, taps) cross processes as a flat list
 of numpy arrays through the Ray object store, described by a `TensorLayout` header
-(roles.proto); MLX arrays never get pickled and bfloat16 travels as its uint16 bits.
+(roles.proto; the entry's one layout, cache/layout.py, packed by wire/tensors.py); MLX arrays
+never get pickled. Its counters and listing travel as plain values (serving/stats.py).
 
 `StoreProxy` gives the verifier the store interface it expects (`plan`, `put`). When the actor
 is down, `plan` fails fast (the verifier then serves uncached) and a background ping notices

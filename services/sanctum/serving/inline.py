@@ -1,8 +1,12 @@
-"""What the gRPC front end serves from: the roles inline (plain objects in this process) or as
-a Ray actor cluster (cluster/backend.py). Both backends answer the same calls (`submit`,
-`cancel`, `stats`, `list_cache`, `clear_cache`, `ready`, `close`) with the same types, so the
-servicer, the benchmarks and the tests cannot tell them apart except by speed and fault
-behaviour.
+"""The inline backend: the three roles as plain objects in this process (`sanctum serve
+--inline`, the isolation baseline), and how a verifier is built from the settings
+(`load_models`, `make_verifier`) wherever it runs.
+
+A backend is what the gRPC front end serves from: this one, or the Ray actor cluster
+(cluster/backend.py). Both answer the same calls (`submit`, `cancel`, `stats`, `list_cache`,
+`clear_cache`, `ready`, `close`) with the same plain types (serving/requests.py,
+serving/stats.py), so the servicer, the benchmarks and the tests cannot tell them apart except
+by speed and fault behaviour. `RoundDelay` (a slower target) is for benchmarks and tests only.
 """
 
 from __future__ import annotations

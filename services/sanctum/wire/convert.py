@@ -1,7 +1,10 @@
-"""sanctum.v1 messages <-> the transport-free request types of `sanctum.serving.requests`.
+"""sanctum.v1 messages <-> the serving core's plain types (serving/requests.py, serving/stats.py).
 
-The one place where wire field names meet the engine's: errors name the wire field
-(`token_ids`, `chat.messages[2].role`), so a client can tell what to fix.
+Each is converted once each way at each process boundary: the front end converts a client's
+request in and its chunks out; between the front end and the verifier actor a request crosses
+as a `Submit` and its chunks as `VerifierEvent`s, filled in place (`out=`), not copied. The one
+place where wire field names meet the engine's: errors name the wire field (`token_ids`,
+`chat.messages[2].role`), so a client can tell what to fix.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tensors on the wire: MLX arrays as numpy arrays (bfloat16, which numpy lacks, as its uint16
-bit pattern) and a prompt-cache entry's tensors as one flat list described by a `TensorLayout`
-(roles.proto), so that MLX arrays never get pickled between role processes.
+bit pattern), and a prompt-cache entry's tensors as one flat list (cache/layout.py) described
+by a `TensorLayout` (roles.proto), so that MLX arrays never get pickled between role processes.
 """
 
 from __future__ import annotations
