@@ -1,6 +1,7 @@
-"""The cluster's parts: wire formats, the shared-memory drafter channel, the store's layout,
-the scheduler (Ray-free, fast), the isolation bench (in its own process and Ray cluster), then
-with a real local Ray cluster behind a real gRPC server:
+"""The cluster's parts: the shared-memory drafter channel, the drafter service, the verifier's
+event socket (Ray-free, fast; the scheduler is tests/test_serving.py, wire formats
+tests/test_wire.py, the isolation bench tests/test_isolation.py), then with a real local Ray
+cluster behind a real gRPC server:
 both drafter transports give the engine's greedy output, and each role's death has the stated
 outcome (drafter: plain decoding, same output, speculation resumes; store: uncached, then
 reloaded from disk; verifier: UNAVAILABLE in flight, then new requests succeed).
@@ -15,11 +16,9 @@ import threading
 import time
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from sanctum.cluster.transport import Slot
 from sanctum.wire.gen import roles_pb2 as roles
-from sanctum.wire.tensors import dtype_name, from_numpy, to_numpy
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:", "The quick brown fox"]
 
@@ -57,14 +56,7 @@ def wait_for(predicate, timeout=30.0, interval=0.1):
     return predicate()
 
 
-# ---- wire formats and the channel (no Ray) -------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-def test_numpy_roundtrip_keeps_bits(dtype):
-    a = (mx.random.normal((3, 5)) * 100).astype(dtype)
-    b = from_numpy(to_numpy(a), dtype_name(a.dtype))
-    assert b.dtype == dtype and mx.array_equal(a, b).item()
+# ---- the channel, the drafter service, the event socket (no Ray) ------------------------------------
 
 
 def test_slot_name_fits_macos_and_roundtrips():
@@ -160,140 +152,6 @@ def test_draft_service_equals_local_peer(engine):
     assert service.num_sessions == 0
 
 
-def test_store_layout_and_service_roundtrip(tmp_path):
-    from sanctum.cache.store import CacheEntry, PromptStore
-    from sanctum.cluster.store import StoreService
-    from sanctum.wire.tensors import flatten, unflatten
-
-    T = 10
-    kv = [
-        (mx.random.normal((1, 2, T, 64)), mx.random.normal((1, 2, T, 64))),
-        (mx.zeros((1, 2, T, 16), mx.uint32), mx.ones((1, 2, T, 1), mx.bfloat16),
-         mx.ones((1, 2, T, 1), mx.bfloat16), mx.zeros((1, 2, T, 16), mx.uint32),
-         mx.ones((1, 2, T, 1), mx.bfloat16), mx.ones((1, 2, T, 1), mx.bfloat16)),
-    ]  # fmt: skip
-    rung = lambda: [
-        (mx.random.normal((1, 3, 32)).astype(mx.bfloat16), mx.random.normal((1, 4, 8, 8)))
-    ]
-    rungs = {5: rung(), 10: rung()}
-    taps = mx.random.normal((T, 24))
-    layout, arrays = flatten(kv, rungs, taps)
-    kv2, rungs2, taps2 = unflatten(layout, [np.array(to_numpy(a)) for a in arrays])
-    flat = lambda k, r, t: (
-        [a for layer in k for a in layer] + [x for p in sorted(r) for s in r[p] for x in s] + [t]
-    )
-    assert all(mx.array_equal(a, b).item() and a.dtype == b.dtype for a, b in
-               zip(flat(kv, rungs, taps), flat(kv2, rungs2, taps2)))  # fmt: skip
-
-    store = PromptStore(1 << 30, tmp_path)
-    service = StoreService(store)
-    tokens = np.arange(1, T + 1, dtype=np.int32)
-    entry = CacheEntry("m|fp16", "fp16", tokens, kv[:1], rungs, taps)
-    header = roles.EntryHeader(model_key=entry.model_key, kv_mode="fp16", tokens=tokens.tolist(),
-                               layout=flatten(entry.kv, entry.rungs, entry.taps)[0])  # fmt: skip
-    assert service.put(
-        header.SerializeToString(), [np.array(to_numpy(a)) for a in flatten(kv[:1], rungs, taps)[1]]
-    )
-    query = roles.PlanQuery(model_key="m|fp16", prompt_ids=[*tokens[:8].tolist(), 99])
-    raw_header, raw = service.plan(query.SerializeToString())
-    h = roles.ResumePlanHeader.FromString(raw_header)
-    assert (h.requested_lcp, h.resumed_at) == (8, 5)
-    kv3, rungs3, taps3 = unflatten(h.layout, raw)
-    assert kv3[0][0].shape[-2] == 5 and sorted(rungs3) == [5] and taps3.shape[0] == 5
-    assert mx.array_equal(kv3[0][0], kv[0][0][..., :5, :]).item()
-    assert len(PromptStore(1 << 30, tmp_path)) == 1  # persisted: a restarted store reloads it
-
-
-# ---- the scheduler (inline backend, no Ray) -------------------------------------------------------
-
-
-def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
-    from sanctum.serving.errors import InvalidRequest, QueueFull
-    from sanctum.serving.inline import InlineBackend, RoundDelay
-    from sanctum.serving.requests import GenerateRequest
-    from sanctum.settings import serve_settings
-
-    _, _, reference = engine
-    # 20 ms per round: greedy runs of the tiny pair hit EOS after 46-850 tokens, and the
-    # "long" requests below must still be running when the queue is checked
-    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
-                                           max_queue=1, env={}), RoundDelay(0.02))  # fmt: skip
-    try:
-        backend.ready(60)
-        sched = backend.scheduler
-        events = []
-        both_active = threading.Event()
-
-        def consume(name, ticket):
-            for i, chunk in enumerate(ticket):
-                events.append((name, i, tuple(chunk.token_ids)))
-
-        def watch():  # interleaved: at some moment both are open and stepped in turn
-            while any(t.is_alive() for t in threads):
-                if sched.stats()["active"] == 2:
-                    both_active.set()
-                time.sleep(0.005)
-
-        tickets = {p: sched.submit(GenerateRequest(prompt=p, max_tokens=20)) for p in PROMPTS[:2]}
-        threads = [threading.Thread(target=consume, args=item) for item in tickets.items()]
-        for t in threads:
-            t.start()
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        for t in [*threads, watcher]:
-            t.join(60)
-        for p in PROMPTS[:2]:
-            assert [t for name, _, toks in events if name == p for t in toks] == reference(p, 20)
-        assert both_active.is_set()
-
-        long = [sched.submit(GenerateRequest(prompt=p, max_tokens=3000)) for p in PROMPTS[:3]]
-        with pytest.raises(QueueFull):
-            sched.submit(GenerateRequest(prompt=PROMPTS[3], max_tokens=4))
-        for t in long:
-            sched.cancel(t.request_id)
-        for t in long:
-            list(t)  # each ends at its next round (or before it opens)
-        assert wait_for(sched.idle, 10) and sched.stats()["cancelled"] == 3
-
-        timed = sched.submit(
-            GenerateRequest(prompt=PROMPTS[0], max_tokens=3000), deadline=time.time() + 1.0
-        )
-        assert len(list(timed)) < 3000  # stopped by its deadline
-        with pytest.raises(InvalidRequest):
-            list(sched.submit(GenerateRequest(prompt="", max_tokens=4)))
-    finally:
-        backend.close()
-
-
-def test_queue_full_message_counts_what_stats_count(pair):
-    """Issue 12: RESOURCE_EXHAUSTED said "0 requests decoding and 71 waiting" while 8 decoded: it
-    left out requests being opened or prefilled. Now it gives the figures stats gives."""
-    from sanctum.serving.errors import QueueFull
-    from sanctum.serving.inline import InlineBackend, RoundDelay
-    from sanctum.serving.requests import GenerateRequest
-    from sanctum.settings import serve_settings
-
-    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
-                                           max_queue=1, env={}), RoundDelay(0.02))  # fmt: skip
-    try:
-        backend.ready(60)
-        sched = backend.scheduler
-        sched.prefill_slice = 8  # the long prompt below stays prefilling for a while
-        decoding = sched.submit(GenerateRequest(prompt=PROMPTS[3], max_tokens=3000))
-        next(iter(decoding))
-        long_prompt = "".join(f"value_{i} = compute({i})\n" for i in range(30))
-        prefilling = sched.submit(GenerateRequest(prompt=long_prompt, max_tokens=3000))
-        waiting = sched.submit(GenerateRequest(prompt=PROMPTS[1], max_tokens=4))
-        assert wait_for(lambda: (sched.stats()["active"], sched.stats()["waiting"]) == (2, 1), 10)
-        with pytest.raises(QueueFull) as err:
-            sched.submit(GenerateRequest(prompt=PROMPTS[2], max_tokens=4))
-        assert "2 requests in progress and 1 waiting" in str(err.value), str(err.value)
-        for ticket in (decoding, prefilling, waiting):
-            sched.cancel(ticket.request_id)
-    finally:
-        backend.close()
-
-
 def test_event_socket_streams_requests_and_cancels_orphans(pair, engine):
     """The verifier's event socket (same-host front ends) over the real scheduler: requests
     multiplexed on one connection give the engine's output; a bad request is an error event; a
@@ -370,170 +228,6 @@ def test_event_socket_streams_requests_and_cancels_orphans(pair, engine):
         if server is not None:
             server.close()
         backend.close()
-
-
-def test_long_prompt_prefills_in_slices_between_rounds(pair, engine):
-    """A long prompt arriving while another request decodes is prefilled a slice at a time, with
-    the other request's rounds in between (its stream does not stall for the whole prompt), and
-    both outputs are still the engine's own."""
-    from sanctum.serving.inline import InlineBackend
-    from sanctum.serving.requests import GenerateRequest
-    from sanctum.settings import serve_settings
-
-    _, _, reference = engine
-    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
-                                           env={}))  # fmt: skip
-    try:
-        backend.ready(60)
-        sched, verifier = backend.scheduler, backend.scheduler.verifier
-        sched.prefill_slice = 64
-        log = []  # what the worker thread did, in order
-        prefill_some, step = verifier.prefill_some, verifier.step
-
-        def logged_prefill(act, budget=None):
-            log.append(("prefill", act.req.request_id))
-            return prefill_some(act, budget)
-
-        def logged_step(act):
-            log.append(("round", act.req.request_id))
-            return step(act)
-
-        verifier.prefill_some, verifier.step = logged_prefill, logged_step
-        short = sched.submit(GenerateRequest(prompt=PROMPTS[3], max_tokens=200, request_id="a"))
-        stream = iter(short)
-        first = [next(stream)]
-        long_prompt = "".join(f"value_{i} = compute({i}, {i + 1})\n" for i in range(40))
-        assert len(engine[0].tokenizer.encode(long_prompt)) > 4 * 64
-        other = sched.submit(GenerateRequest(prompt=long_prompt, max_tokens=8, request_id="b"))
-        rest, long_out = list(stream), list(other)
-        slices = [i for i, e in enumerate(log) if e == ("prefill", "b")]
-        assert len(slices) > 4  # one 64-token slice at a time
-        between = log[slices[0] : slices[-1]]
-        assert between.count(("round", "a")) >= len(slices) - 1  # a round after every slice
-        assert [t for c in first + rest for t in c.token_ids] == reference(PROMPTS[3], 200)
-        assert [t for c in long_out for t in c.token_ids] == reference(long_prompt, 8)
-    finally:
-        backend.close()
-
-
-def test_prefill_slices_shrink_to_fit_their_time():
-    """A slice is PREFILL_SLICE tokens, or fewer when the request's last slice says they would
-    take longer than prefill_slice_s (attention makes tokens dearer as the context grows)."""
-    from sanctum.serving.scheduler import Scheduler
-
-    sched = Scheduler(lambda: None, prefill_slice=512)
-    sched.prefill_slice_s = 0.25
-    assert sched._slice("new") == 512  # nothing measured yet
-    for cost, tokens in ((1e-6, 512), (1e-3, 250), (0.1, 64)):
-        sched._token_cost["r"] = cost
-        assert sched._slice("r") == tokens
-    sched._last_token_cost = 1e-3  # a first slice goes by the last one measured
-    assert sched._slice("other") == 250
-    sched.shutdown()
-
-
-def test_no_request_stalls_the_others(pair, engine):
-    """Issue 12, head-of-line stalls: while a stream decodes, a 15 MB prompt, an 800-message
-    chat and 100 stop strings of 10 KB arrive. The big prompt and the stop strings are refused
-    at once (by size, before any tokenization), the chat is prepared off the model's thread and
-    prefilled in slices, and the stream's worst gap between chunks stays well under a second (before: the
-    15 MB prompt was tokenized on the model's thread, a stall of many seconds)."""
-    from sanctum.serving.errors import InvalidRequest
-    from sanctum.serving.inline import InlineBackend, RoundDelay
-    from sanctum.serving.requests import GenerateRequest
-    from sanctum.settings import serve_settings
-
-    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=4,
-                                           env={}), RoundDelay(0.005))  # fmt: skip
-    try:
-        backend.ready(60)
-        sched = backend.scheduler
-        normal = sched.submit(GenerateRequest(prompt=PROMPTS[3], max_tokens=3000, request_id="n"))
-        arrivals, stream = [], iter(normal)
-        for _ in range(3):
-            next(stream)
-        done = threading.Event()
-
-        def read_normal():
-            for _ in stream:
-                arrivals.append(time.perf_counter())
-                if done.is_set():
-                    sched.cancel("n")
-
-        reader = threading.Thread(target=read_normal)
-        reader.start()
-        t0 = time.perf_counter()
-        huge = sched.submit(GenerateRequest(prompt="x = 1\n" * ((15 << 20) // 6), max_tokens=4))
-        with pytest.raises(InvalidRequest) as err:
-            list(huge)
-        assert err.value.field == "prompt" and "characters" in str(err.value)
-        assert time.perf_counter() - t0 < 1.0  # refused by size, not after tokenizing
-        stops = sched.submit(GenerateRequest(prompt="hi", stop=("s" * 10_000,) * 100))
-        with pytest.raises(InvalidRequest) as err:
-            list(stops)
-        assert err.value.field == "stop"
-        chat = [{"role": ("user", "assistant")[i % 2], "content": f"turn {i}"}
-                for i in range(800)]  # fmt: skip
-        long_chat = sched.submit(
-            GenerateRequest(messages=tuple(chat), max_tokens=4, request_id="c")
-        )
-        assert wait_for(lambda: sched.stats()["active"] == 2, timeout=10)  # prepared: prefilling
-        time.sleep(1.5)  # a few of its prefill slices, between the stream's rounds
-        sched.cancel("c")
-        assert list(long_chat) == []  # ended by the cancel, no error
-        done.set()
-        reader.join(60)
-        gaps = np.diff([t0, *arrivals])
-        assert len(arrivals) > 5 and gaps.max() < 1.0, gaps.max()
-    finally:
-        backend.close()
-
-
-# ---- the isolation bench ---------------------------------------------------------------------------
-
-
-def test_median_interval_brackets_the_median_and_narrows_with_data():
-    from sanctum.bench.isolation import median_interval
-
-    assert median_interval([0.97] * 9) == (0.97, 0.97)
-    rng = np.random.default_rng(0)
-    few, many = list(rng.normal(0.95, 0.05, 12)), list(rng.normal(0.95, 0.05, 400))
-    for xs in (few, many):
-        lo, hi = median_interval(xs)
-        assert lo <= float(np.median(xs)) <= hi
-    assert median_interval(few) == median_interval(few)  # fixed seed: reproducible figures
-    width = [hi - lo for lo, hi in (median_interval(few), median_interval(many))]
-    assert width[1] < width[0] / 2
-
-
-@pytest.mark.slow
-def test_isolation_bench_runs_both_modes_and_they_agree(pair):
-    """`sanctum bench isolation` end to end (its own local Ray cluster): same greedy tokens in
-    both modes, and every figure the note quotes is there."""
-    import json
-    import subprocess
-    import sys
-
-    env = dict(os.environ, SANCTUM_NO_OPENBLAS="1")
-    env.pop("RAY_ADDRESS", None)
-    out = subprocess.run(
-        [sys.executable, "-m", "sanctum.cli", "bench", "isolation", "--model", pair[0],
-         "--drafter", pair[1], "--repeats", "1", "--max-tokens", "12", "--json"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    figures = json.loads(out.stdout)
-    assert figures["greedy_outputs_identical"] is True
-    assert figures["inline_tok_s"] > 0 and figures["cluster_tok_s"] > 0
-    assert figures["draft_calls"] > 0 and figures["transport_bytes_per_round"] > 0
-    lo, hi = figures["paired_tax_pct_ci90"]
-    assert lo <= figures["paired_tax_pct_median"] <= hi
-    assert set(figures["cluster_round_phases_ms"]) == {"draft", "verify", "rollback", "other"}
-    cpus = len(os.sched_getaffinity(0))  # the figures say what the split ran on
-    assert figures["usable_cpus"] == cpus
-    assert figures["cluster_blas_threads"]["drafter"] == (
-        os.environ.get("SANCTUM_DRAFTER_THREADS") or str(cpus)
-    )
 
 
 # ---- a real Ray cluster behind gRPC: transports and faults -----------------------------------------
