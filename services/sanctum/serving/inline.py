@@ -15,14 +15,17 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from ..engine.drafter import Drafter
-from ..engine.peer import DraftPeer
-from ..engine.target import Target
 from ..settings import EngineSettings, ServeSettings
 from .requests import Chunk, GenerateRequest
 from .stats import EntryInfo, Stats, cache_stats, entry_infos, serving_stats
-from .verifier import Verifier
+
+if TYPE_CHECKING:  # the models load in the role processes: a front end need not import them
+    from ..engine.drafter import Drafter
+    from ..engine.peer import DraftPeer
+    from ..engine.target import Target
+    from .verifier import Verifier
 
 log = logging.getLogger("sanctum.backend")
 
@@ -75,6 +78,7 @@ def make_verifier(
     """Load the target and wrap it in the verifier role. Without `remote_peer` the whole
     drafter is loaded here (inline); with it, only the drafter head (the body is remote)."""
     from ..engine.speculative import LocalDraftPeer
+    from .verifier import Verifier
 
     e = settings.engine
     target, drafter = load_models(e, "head" if remote_peer is not None else "both")
