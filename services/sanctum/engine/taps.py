@@ -33,10 +33,13 @@ class TapLog:
             return
         # drop whole chunks that the window no longer reaches (no copy); a long prefill's one
         # chunk is cut, so at most twice the window is held
-        while self.end - (self.first + self.chunks[0].shape[0]) >= self.window:
+        while (
+            len(self.chunks) > 1 and self.end - self.first - self.chunks[0].shape[0] >= self.window
+        ):
             self.first += self.chunks.pop(0).shape[0]
         if self.end - self.first > 2 * self.window:
-            self.chunks = [mx.concatenate(self.chunks)[-self.window :]]
+            joined = mx.concatenate(self.chunks)  # [end - first, n_taps * H]
+            self.chunks = [joined[joined.shape[0] - self.window :]]
             self.first = self.end - self.window
 
     def start_at(self, position: int) -> None:
