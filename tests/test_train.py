@@ -328,3 +328,26 @@ def test_drafter_fine_tune_from_packed_init(tmp_path, tiny_pair, corpus_args):
     assert "quantization" not in json.loads((out / "config.json").read_text())
     # lr 1e-9: the tuned weights are the init's (dequantized) weights
     assert mx.allclose(tuned.body.fc.weight, init.body.fc.weight, atol=1e-5).item()
+
+
+def test_dflash_drafter_upgrades_to_dflash2(tmp_path, tiny_pair, corpus_args):
+    """`train drafter --init <DFlash> --kind dflash2` keeps the DFlash drafter's layers in a new
+    DFlash 2 drafter (new convolutions and selector), which loads and drafts losslessly."""
+    from sanctum.engine.speculative import generate
+
+    target_dir, drafter_dir = tiny_pair
+    out = tmp_path / "up"
+    argv = ["train", "drafter", "--target", str(target_dir), "--out", str(out), "--init",
+            str(drafter_dir), "--kind", "dflash2", "--selector-rank", "16", "--steps", "2",
+            "--batch", "2", "--seq-len", "64", "--rows-per-seq", "64", "--lr", "1e-9",
+            "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--dtype", "float32",
+            *corpus_args]  # fmt: skip
+    assert main(argv) == 0
+    target = load_target(target_dir)
+    v1, v2 = load_drafter(drafter_dir, target), load_drafter(out, target)
+    assert not v1.cfg.is_v2 and v2.cfg.is_v2 and v2.block_size == v1.block_size
+    assert mx.allclose(v2.body.fc.weight, v1.body.fc.weight, atol=1e-6).item()
+    prompt = list(range(20, 60))
+    plain = [t for s in generate(target, prompt, max_tokens=16, eos_ids=set()) for t in s.tokens]
+    spec = generate(target, prompt, drafter=v2, max_tokens=16, eos_ids=set())
+    assert [t for s in spec for t in s.tokens] == plain

@@ -242,7 +242,8 @@ def register(subparsers) -> None:
     p.add_argument("--target", required=True, help="target checkpoint dir (any mlx-lm model)")
     p.add_argument("--out", required=True)
     p.add_argument("--kind", default="dflash", choices=("dflash", "dflash2"),
-                   help="dflash2: dynamic convolutions and a candidate selector")  # fmt: skip
+                   help="dflash2: dynamic convolutions and a candidate selector; with --init of a "
+                   "DFlash drafter, its layers go into a new DFlash 2 one")  # fmt: skip
     p.add_argument("--sliding-window", type=int,
                    help="every layer attends to this many rows back (default: full attention)")  # fmt: skip
     p.add_argument("--is-causal", choices=("true", "false"),

@@ -191,6 +191,25 @@ def init_trainee(path: str | Path, target: Target) -> tuple[Trainee, dict]:
     return trainee, raw
 
 
+def upgrade_to_dflash2(trainee: Trainee, raw: dict, shape: DrafterShape) -> tuple[Trainee, dict]:
+    """A DFlash drafter's layers inside a new DFlash 2 drafter: the convolutions start as the
+    identity and the selector small (`new_trainee`), so it drafts as the DFlash one did until
+    training moves them."""
+    raw = json.loads(json.dumps(raw))
+    raw["architectures"] = ["DFlash2DraftModel"]
+    raw["dflash_config"].update(
+        block_size=raw.pop("block_size", raw["dflash_config"].get("block_size", 8)),
+        conv_kernel_size=shape.conv_kernel_size, conv_group_size=shape.conv_group_size,
+        selector_rank=shape.selector_rank, selector_top_k=shape.selector_top_k,
+    )  # fmt: skip
+    upgraded = new_trainee(DrafterConfig.from_dict(raw))
+    kept = dict(tree_flatten(trainee.body.parameters()))
+    fresh = dict(tree_flatten(upgraded.body.parameters()))
+    fresh.update({k: v for k, v in kept.items() if k in fresh and v.shape == fresh[k].shape})
+    upgraded.body.load_weights(list(fresh.items()))
+    return upgraded, raw
+
+
 def write_checkpoint(out: Path, raw_config: dict, trainee: Trainee, dtype) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_sharded(out, cast_weights(trainee.weights(), dtype))
@@ -266,6 +285,9 @@ def train_drafter(
         trainee, raw = init_trainee(init, target)
         raw["torch_dtype"] = s.dtype
         log(f"fine-tuning {init}")
+        if shape.kind == "dflash2" and not trainee.body.cfg.is_v2:
+            trainee, raw = upgrade_to_dflash2(trainee, raw, shape)
+            log("as a DFlash 2 drafter: its layers kept, new convolutions and selector")
     else:
         raw = drafter_config(target, shape, s.dtype)
         trainee = new_trainee(DrafterConfig.from_dict(raw))
