@@ -351,3 +351,32 @@ def test_dflash_drafter_upgrades_to_dflash2(tmp_path, tiny_pair, corpus_args):
     plain = [t for s in generate(target, prompt, max_tokens=16, eos_ids=set()) for t in s.tokens]
     spec = generate(target, prompt, drafter=v2, max_tokens=16, eos_ids=set())
     assert [t for s in spec for t in s.tokens] == plain
+
+
+def test_init_with_sliding_window_relayers_the_drafter(tmp_path, tiny_pair, corpus_args):
+    """`train drafter --init D --sliding-window W` keeps D's weights under the new attention
+    rule: every layer of the checkpoint slides; over a context inside both D's window and W its
+    block hidden states are D's, over a longer one they differ (the window took effect)."""
+    target_dir, drafter_dir = tiny_pair
+    out = tmp_path / "sw"
+    argv = ["train", "drafter", "--target", str(target_dir), "--out", str(out), "--init",
+            str(drafter_dir), "--sliding-window", "32", "--steps", "1",
+            "--batch", "2", "--seq-len", "64", "--rows-per-seq", "64", "--lr", "1e-12",
+            "--warmup", "1", "--log-every", "1", "--eval-every", "0", "--dtype", "float32",
+            *corpus_args]  # fmt: skip
+    assert main(argv) == 0
+    target = load_target(target_dir)
+    base, slid = load_drafter(drafter_dir, target), load_drafter(out, target)
+    assert set(slid.cfg.layer_types) == {"sliding_attention"} and slid.cfg.sliding_window == 32
+    assert slid.cfg.is_causal == base.cfg.is_causal
+    assert mx.allclose(slid.body.fc.weight, base.body.fc.weight, atol=1e-6).item()
+    L = base.block_size
+    embeds = target.embed_tokens(mx.array([7] + [base.cfg.mask_token_id] * (L - 1)))[None]
+    width = len(base.cfg.target_layer_ids) * base.cfg.hidden_size
+
+    def block_hidden(drafter, ctx):
+        taps = mx.random.normal((1, ctx, width), key=mx.random.key(ctx))
+        return drafter.body(embeds, ctx, taps, drafter.body.make_cache())
+
+    assert mx.allclose(block_hidden(slid, 6), block_hidden(base, 6), atol=1e-5).item()
+    assert not mx.allclose(block_hidden(slid, 100), block_hidden(base, 100), atol=1e-3).item()

@@ -210,6 +210,24 @@ def upgrade_to_dflash2(trainee: Trainee, raw: dict, shape: DrafterShape) -> tupl
     return upgraded, raw
 
 
+def relayer_attention(trainee: Trainee, raw: dict, shape: DrafterShape) -> tuple[Trainee, dict]:
+    """The same weights under other attention rules: every layer sliding over
+    `shape.sliding_window` rows, and `is_causal` when given. Attention has no weights of its own
+    for either rule, so a drafter trained with full attention drafts the same over short contexts
+    and stops attending to what it never saw in training over long ones."""
+    raw = json.loads(json.dumps(raw))
+    if shape.sliding_window:
+        raw["layer_types"] = ["sliding_attention"] * raw["num_hidden_layers"]
+        raw["sliding_window"] = shape.sliding_window
+    if shape.is_causal is not None:
+        raw["is_causal"] = shape.is_causal
+    rebuilt = new_trainee(DrafterConfig.from_dict(raw))
+    rebuilt.body.load_weights(list(tree_flatten(trainee.body.parameters())))
+    if trainee.selector is not None:
+        rebuilt.selector.load_weights(list(tree_flatten(trainee.selector.parameters())))
+    return rebuilt, raw
+
+
 def write_checkpoint(out: Path, raw_config: dict, trainee: Trainee, dtype) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_sharded(out, cast_weights(trainee.weights(), dtype))
@@ -285,6 +303,11 @@ def train_drafter(
         trainee, raw = init_trainee(init, target)
         raw["torch_dtype"] = s.dtype
         log(f"fine-tuning {init}")
+        if shape.sliding_window or shape.is_causal is not None:
+            trainee, raw = relayer_attention(trainee, raw, shape)
+            log(
+                f"with sliding window {raw.get('sliding_window')}, is_causal {raw.get('is_causal')}"
+            )
         if shape.kind == "dflash2" and not trainee.body.cfg.is_v2:
             trainee, raw = upgrade_to_dflash2(trainee, raw, shape)
             log("as a DFlash 2 drafter: its layers kept, new convolutions and selector")
