@@ -3,6 +3,10 @@
 #   train.sh target     the long-context target, packed to 6 bits, then its regenerated data
 #   train.sh drafters   the DFlash 2 and DFlash drafters against the packed target, packed to 8 bits
 #   train.sh install    the packed pair into services/sanctum/assets/default
+#   train.sh finetune   what is shipped today: the first-generation drafter at $INIT re-layered to
+#                       slide over $FT_WINDOW rows, fine-tuned at $SEQ tokens as DFlash 2 and as
+#                       DFlash (one after the other: together they ran out of memory on the H200)
+#                       against the shipped target, on $W/regen.npz (made on the CPU if absent)
 # Run from the repository root, with `sanctum` importable (PYTHONPATH=services or the venv) and a
 # corpus from `sanctum train corpus` at $CORPUS. The defaults are the shipped run's (one NVIDIA H200,
 # MLX with its CUDA backend); the variables below scale it down for a smoke run on a CPU.
@@ -21,6 +25,9 @@ REGEN_HOLDOUT=${REGEN_HOLDOUT:-64}
 SPANS=${SPANS:-4}
 SPAN_TOKENS=${SPAN_TOKENS:-128}
 WINDOW=${WINDOW:-2048}                 # the drafters' sliding window
+INIT=${INIT:-runs/drafter-gen1}         # finetune: the first-generation drafter (assets README)
+FT_WINDOW=${FT_WINDOW:-256}
+FT_S=${FT_S:-300}
 PY=${PY:-python3 -m sanctum.cli}
 TOK=services/sanctum/assets/default/target   # the shipped tokenizer (8,192 byte-level BPE)
 mkdir -p "$W"
@@ -74,6 +81,25 @@ install() {
   cp -r "$W/packed-v1/drafter" "$A/drafter-dflash"
 }
 
+finetune() {
+  local A=services/sanctum/assets/default kind out
+  if [ ! -f "$W/regen.npz" ]; then
+    mkdir -p "$W/packed" && cp -r "$A/target" "$W/packed/target"
+    REGEN_COUNT=${REGEN_COUNT_FT:-320} REGEN_HOLDOUT=32 regen
+  fi
+  for kind in dflash2 dflash; do
+    out="$W/ft-$kind"
+    run $PY train drafter --target "$A/target" --data "$CORPUS" --regen-data "$W/regen.npz" \
+      --init "$INIT" --sliding-window "$FT_WINDOW" --is-causal false --kind "$kind" --out "$out" \
+      --block-sizes 8,16 --seq-len "$SEQ" --batch "$BATCH" --rows-per-seq 1024 --regen-frac 0.5 \
+      --steps "$STEPS" --time-budget "$FT_S" --save-every 60 --lr 5e-4 --warmup 20 \
+      --eval-every 100 --log-every 10 --distill 0.5 --hard-labels target --select tau \
+      --dtype float32 --target-dtype float32
+    run $PY train pack --target "$A/target" --drafter "$out" --out "$W/packed-$kind" \
+      --drafter-only --drafter-bits 8
+  done
+}
+
 all() { target && drafters; }
 
-"${1:?usage: train.sh target|drafters|all|install}"
+"${1:?usage: train.sh target|drafters|all|install|finetune}"
