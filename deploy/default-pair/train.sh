@@ -74,11 +74,14 @@ drafters() {
     --drafter-only --drafter-bits 8
 }
 
-install() {
+install() {  # the DFlash (v1) drafter is not installed: it measured better only at temperature 1
   local A=services/sanctum/assets/default
-  rm -rf "$A/target" "$A/drafter" "$A/drafter-dflash"
+  if [ -d "$W/packed-dflash2/drafter" ]; then  # after finetune: the drafter alone
+    rm -rf "$A/drafter" && cp -r "$W/packed-dflash2/drafter" "$A/drafter"
+    return
+  fi
+  rm -rf "$A/target" "$A/drafter"
   cp -r "$W/packed/target" "$A/target" && cp -r "$W/packed/drafter" "$A/drafter"
-  cp -r "$W/packed-v1/drafter" "$A/drafter-dflash"
 }
 
 finetune() {
