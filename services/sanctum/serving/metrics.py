@@ -15,12 +15,19 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .requests import Chunk, Usage
 
 log = logging.getLogger("sanctum.metrics")
+disable_created_metrics()  # no `_created` series: a scrape shows what it counts, nothing more
 
 TAU_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -184,7 +191,9 @@ class _BackendState:
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
         phases = CounterMetricFamily(
-            "sanctum_round_phase_seconds", "Verifier time in each phase of a round", labels=["phase"]
+            "sanctum_round_phase_seconds",
+            "Verifier time in each phase of a round",
+            labels=["phase"],
         )
         for phase in ("draft", "verify", "rollback", "other"):
             ms_per_round = getattr(s, f"round_{phase}_ms")
