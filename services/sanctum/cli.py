@@ -62,7 +62,7 @@ def cmd_generate(args) -> int:
                 )
                 if args.verbose:
                     print(step.stats.line(len(tokens)), file=sys.stderr)
-            if not args.json:
+            if not args.json and not args.verbose:  # verbose: the text once, after the rounds
                 print(delta, end="", flush=True)
             finish = step.finish_reason or finish
         text += stream.finish()
@@ -82,10 +82,10 @@ def cmd_generate(args) -> int:
         }
     if args.json:
         print(json.dumps(result))
-    elif not args.server:
+    elif not args.server and not args.verbose:
         print()
     else:
-        print(result["text"])
+        print(result["text"], flush=True)
     return 0
 
 
