@@ -333,3 +333,19 @@ def test_metrics_count_each_request_once_whichever_front_end(srv):
     assert after[("sanctum_cache_bytes", ())] > 0
     assert 0 <= after[("sanctum_cache_hit_ratio", ())] <= 1
     assert ("sanctum_cache_evictions_total", ()) in after
+
+
+def test_http_bench_runs_end_to_end(make_pair):
+    """`sanctum bench http` (one server, every front end on the same prompts) runs and agrees."""
+    import argparse
+
+    from sanctum.bench.http import run
+
+    pair = make_pair("hybrid", "dflash")
+    args = argparse.Namespace(model=str(pair[0]), drafter=str(pair[1]),
+                              prompts=["def f(x):", "class A:"], max_tokens=3, repeats=1)  # fmt: skip
+    out = run(args)
+    assert out["same_text"] is True and out["prompts"] == 2
+    for mode in ("grpc_unary", "http_unary", "grpc_stream", "http_stream", "openai_sdk"):
+        assert out[f"{mode}_ms"] > 0
+    assert len(out["http_unary_overhead_90ci_ms"]) == 2
