@@ -268,6 +268,8 @@ def test_full_is_429_and_a_disconnect_cancels(serve, backend):
     assert next(iter(stream)).choices[0].text is not None  # in flight, holding the one slot
     status, body = error_of(lambda: client.chat.completions.create(model="m", messages=CHAT))
     assert status == 429 and body["type"] == "rate_limit_error", body
+    full = ("sanctum_requests_total", (("outcome", "resource_exhausted"),))
+    assert metrics(srv).get(full, 0) == before.get(full, 0) + 1
     stream.close()  # the client goes away mid-stream
     assert wait_for(lambda: backend.stats().active == 0), "the request kept decoding"
     key = ("sanctum_requests_total", (("outcome", "cancelled"),))
@@ -293,13 +295,15 @@ def test_draining_is_503(serve):
 
 
 def test_metrics_count_each_request_once_whichever_front_end(srv):
-    """Counters move by exactly the requests' own usage: one HTTP, one gRPC, one invalid."""
+    """Counters move by exactly the requests' own usage: one HTTP, one gRPC, two invalid."""
     before = metrics(srv)
     http = oai(srv).completions.create(model="m", prompt="def add(a, b):", max_tokens=9).usage
     with Client(srv.address) as c:
         grpc_usage = list(c.generate("x = [1, 2, 3]", max_tokens=7))[-1].usage
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError):  # refused by the serving core
         oai(srv).completions.create(model="m", prompt="x", temperature=-2.0)
+    with pytest.raises(openai.BadRequestError):  # refused by the HTTP front end
+        oai(srv).completions.create(model="m", prompt="x", n=3)
     after = metrics(srv)
 
     def delta(name, **labels):
@@ -308,7 +312,7 @@ def test_metrics_count_each_request_once_whichever_front_end(srv):
 
     extra = http.model_extra["sanctum"]
     assert delta("sanctum_requests_total", outcome="length") == 2
-    assert delta("sanctum_requests_total", outcome="invalid_argument") == 1
+    assert delta("sanctum_requests_total", outcome="invalid_argument") == 2
     assert delta("sanctum_prompt_tokens_total") == http.prompt_tokens + grpc_usage.prompt_tokens
     assert delta("sanctum_completion_tokens_total") == 9 + 7
     assert delta("sanctum_cached_tokens_total") == (

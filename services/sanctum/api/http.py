@@ -63,12 +63,18 @@ class HttpFrontEnd:
     """The Starlette app over a gRPC servicer's backend and admission (module doc)."""
 
     def __init__(
-        self, gate, access: Access, max_body_bytes: int, serving: Callable[[], bool]
+        self,
+        gate,
+        access: Access,
+        max_body_bytes: int,
+        serving: Callable[[], bool],
+        max_connections: int = 1000,
     ) -> None:
         self.gate = gate  # api/server.py InferenceServicer: .backend, .draining, .stream()
         self.expected = f"Bearer {access.token}".encode() if access.token else None
         self.max_body_bytes = max_body_bytes
         self.serving = serving
+        self.max_connections = max_connections
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self._guarded(self.chat), methods=["POST"]),
@@ -166,7 +172,12 @@ class HttpFrontEnd:
     async def _generate(self, request: Request, parse) -> Response:
         call = None
         try:
-            req, call = parse(await self._body(request), self._model())
+            body = await self._body(request)
+            try:
+                req, call = parse(body, self._model())
+            except InvalidRequest as exc:
+                self.gate.refused(exc)
+                raise
             chunks = self.gate.stream(req, "streaming" if call.stream else "sync")
             if call.stream:  # the status waits for the first chunk: errors before it get theirs
                 first = await _until_gone(request, anext(chunks, None))
@@ -223,6 +234,7 @@ class HttpFrontEnd:
             log_level="warning",
             timeout_keep_alive=5,  # idle keep-alive connections close (uvicorn's default)
             timeout_graceful_shutdown=1,
+            limit_concurrency=self.max_connections,  # beyond: 503, as gRPC bounds connections
             **(tls or {}),
         )
         self.server = uvicorn.Server(config)

@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from ..serving.errors import QueueFull, Unavailable
+from ..serving.errors import InvalidRequest, QueueFull, Unavailable
 from ..settings import ConnectionLimits
 from ..wire.convert import (
     chunk_to_proto,
@@ -75,6 +75,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     # ---- bookkeeping ---------------------------------------------------------------------------
     def _enter(self) -> None:
         """Count a generation request in, or raise why not (Unavailable, QueueFull)."""
+        try:
+            self._admit()
+        except (Unavailable, QueueFull) as exc:
+            self.refused(exc)
+            raise
+
+    def refused(self, exc: Exception) -> None:
+        """Count a request refused before it reached the backend (here, or malformed): the
+        backend counts every other request, once (serving/metrics.py)."""
+        metrics = getattr(self.backend, "metrics", None)
+        if metrics is not None:
+            metrics.refused(exc)
+
+    def _admit(self) -> None:
         with self._cv:
             if self.draining:
                 raise Unavailable("the server is draining; retry elsewhere")
@@ -111,7 +125,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """On a generation thread: the request's id and its chunk iterator (raises at once for
         a full queue or a restarting verifier; bad input is the serving core's to refuse, once,
         before tokenization: serving/requests.py `validate`)."""
-        return self._submit(request_from_proto(request), mode, deadline)
+        try:
+            req = request_from_proto(request)
+        except InvalidRequest as exc:
+            self.refused(exc)
+            raise
+        return self._submit(req, mode, deadline)
 
     def _submit(self, req, mode: str, deadline: float | None):
         return req.request_id, iter(self.backend.submit(req, mode, deadline))
@@ -288,7 +307,7 @@ class Server:
             self._stop_loop()
             raise
         self.address = f"{host}:{self.port}"
-        self.host, self.max_message_bytes = host, max_message_bytes
+        self.host, self.max_message_bytes, self.limits = host, max_message_bytes, limits
         self.http = None  # api/http.py HttpFrontEnd, once start_http ran
         self.http_port: int | None = None
         self.backend = None
@@ -337,7 +356,11 @@ class Server:
         from .http import HttpFrontEnd
 
         self.http = HttpFrontEnd(
-            self.servicer, self.access, self.max_message_bytes, lambda: self._serving
+            self.servicer,
+            self.access,
+            self.max_message_bytes,
+            lambda: self._serving,
+            self.limits.max_connections,
         )
         self.http_port = self._call(self.http.start(self.host, port, tls))
         return self.http_port

@@ -109,6 +109,10 @@ class Metrics:
             raise
         return self._follow(chunks, t0)
 
+    def refused(self, exc: BaseException) -> None:
+        """A request a front end refused before submitting it (its gate, a malformed request)."""
+        self.requests.labels(outcome_of(exc)).inc()
+
     def _follow(self, chunks: Iterator[Chunk], t0: float) -> Iterator[Chunk]:
         outcome, last = "cancelled", None  # ended without a finish reason: cancelled or expired
         try:
