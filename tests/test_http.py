@@ -353,3 +353,31 @@ def test_http_bench_runs_end_to_end(make_pair):
     for mode in ("grpc_unary", "http_unary", "grpc_stream", "http_stream", "openai_sdk"):
         assert out[f"{mode}_ms"] > 0
     assert len(out["http_unary_overhead_90ci_ms"]) == 2
+
+
+def test_tls_serves_https_with_the_grpc_certificates(serve, backend, tmp_path):
+    """The HTTP front end takes the gRPC server's certificate and key (mutual TLS: its CA)."""
+    import ssl
+
+    from sanctum.api.commands import http_tls
+    from sanctum.api.guard import Access
+    from sanctum.settings import server_settings
+    from test_hardening import _certificates
+
+    paths = _certificates(tmp_path)
+    net = server_settings(tls_cert=paths["server.crt"], tls_key=paths["server.key"],
+                          tls_client_ca=paths["ca.crt"], env={})  # fmt: skip
+    srv = Server(backend, "127.0.0.1", 0, access=Access.from_files(None, net.tls_cert, net.tls_key))
+    try:
+        srv.ready(60)
+        port = srv.start_http(0, http_tls(net))
+        url = f"https://127.0.0.1:{port}/health"
+        ctx = ssl.create_default_context(cafile=paths["ca.crt"])
+        with pytest.raises(httpx.TransportError):  # no client certificate: refused
+            httpx.get(url, verify=ctx)
+        ctx.load_cert_chain(paths["client.crt"], paths["client.key"])
+        assert httpx.get(url, verify=ctx).json() == {"status": "ok"}
+        with pytest.raises(httpx.TransportError):  # not plaintext
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    finally:
+        srv.stop(0)
