@@ -201,6 +201,10 @@ def test_bad_input_is_400_naming_the_field_and_nothing_breaks(srv):
         "seed": lambda: chat(model="m", messages=CHAT, extra_body={"seed": "seven"}),
         "top_k": lambda: chat(model="m", messages=CHAT, extra_body={"top_k": -1}),
     }
+    for name, value in (("seed", -1), ("seed", 2**64), ("top_k", 2**40)):
+        extra = {name: value}
+        status, body = error_of(lambda e=extra: chat(model="m", messages=CHAT, extra_body=e))
+        assert status == 400 and body["param"] == name, body
     for name, call in cases.items():
         status, body = error_of(call)
         assert status == 400, (name, body)
