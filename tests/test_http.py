@@ -133,6 +133,21 @@ def test_stream_is_server_sent_events_ending_in_done(srv):
     assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
 
 
+def test_connections_send_without_nagle(srv):
+    """Each response is written in pieces (head, body, events): on a kept-alive connection
+    without TCP_NODELAY every request waited ~40 ms for the client's delayed ACK (before: the
+    listening socket was made with proto 0, so asyncio left its connections Nagle'd)."""
+    import socket
+
+    with httpx.Client(base_url=f"http://127.0.0.1:{srv.http_port}") as client:
+        assert client.get("/health").status_code == 200
+        connections = list(srv.http.server.server_state.connections)
+        assert connections
+        for conn in connections:
+            sock = conn.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
 def test_stop_sequences_end_the_text_before_them(srv):
     client = oai(srv)
     full = client.completions.create(model="m", prompt="import os", max_tokens=16)
