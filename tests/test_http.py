@@ -400,3 +400,26 @@ def test_tls_serves_https_with_the_grpc_certificates(serve, backend, tmp_path):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
     finally:
         srv.stop(0)
+
+
+def test_serve_refuses_a_taken_http_port_before_loading(make_pair, tmp_path):
+    """`sanctum serve` with its HTTP port taken says so and exits 2, before loading models."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    pair = make_pair("hybrid", "dflash")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "sanctum.cli", "serve", "--inline", "--model", str(pair[0]),
+             "--drafter", str(pair[1]), "--port", "0", "--http-port", str(port)],
+            env=dict(os.environ, SANCTUM_NO_OPENBLAS="1", SANCTUM_HOME=str(tmp_path)),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert f"cannot listen on 127.0.0.1:{port} for HTTP" in out.stderr
+    assert "Traceback" not in out.stderr

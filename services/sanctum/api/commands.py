@@ -146,7 +146,11 @@ def serve(settings, net, inline: bool = False, drain_timeout: float = 30.0) -> i
             limits=net.limits,
         )
         if net.http_port:
-            server.start_http(net.http_port, http_tls(net))
+            try:
+                server.start_http(net.http_port, http_tls(net))
+            except BaseException:
+                server.stop(0)
+                raise
         log.info(
             "listening on %s%s (%s%s; NOT_SERVING until the models are loaded)",
             server.address,
