@@ -148,6 +148,31 @@ def test_connections_send_without_nagle(srv):
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
 
+def test_idle_and_trickling_connections_are_cut(serve):
+    """Issue 12's bounds on HTTP too: a connection that sends no request head (or half of
+    one) is closed after SANCTUM_STREAM_IDLE_S, a body that does not arrive gets 408 (before:
+    uvicorn held both for ever, each holding one of its connection slots)."""
+    import socket
+
+    from sanctum.settings import ConnectionLimits
+
+    srv = serve(limits=ConnectionLimits(stream_idle_s=0.5))
+    for head in (b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"):
+        with socket.create_connection(("127.0.0.1", srv.http_port)) as sock:
+            sock.sendall(head)
+            sock.settimeout(10)
+            t0 = time.monotonic()
+            assert sock.recv(100) == b""  # closed by the server
+            assert time.monotonic() - t0 < 5
+    with socket.create_connection(("127.0.0.1", srv.http_port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                     b"Content-Type: application/json\r\n\r\n{")  # fmt: skip
+        sock.settimeout(10)
+        assert sock.recv(100).startswith(b"HTTP/1.1 408")
+    ok = oai(srv).chat.completions.create(model="m", messages=CHAT, max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
 def test_stop_sequences_end_the_text_before_them(srv):
     client = oai(srv)
     full = client.completions.create(model="m", prompt="import os", max_tokens=16)

@@ -27,8 +27,10 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..serving.errors import InvalidRequest
+from ..settings import ConnectionLimits
 from ..wire.errors import http_error
 from . import openai
 from .guard import Access
@@ -68,13 +70,13 @@ class HttpFrontEnd:
         access: Access,
         max_body_bytes: int,
         serving: Callable[[], bool],
-        max_connections: int = 1000,
+        limits: ConnectionLimits | None = None,
     ) -> None:
         self.gate = gate  # api/server.py InferenceServicer: .backend, .draining, .stream()
         self.expected = f"Bearer {access.token}".encode() if access.token else None
         self.max_body_bytes = max_body_bytes
         self.serving = serving
-        self.max_connections = max_connections
+        self.limits = limits or ConnectionLimits()
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self._guarded(self.chat), methods=["POST"]),
@@ -172,7 +174,14 @@ class HttpFrontEnd:
     async def _generate(self, request: Request, parse) -> Response:
         call = None
         try:
-            body = await self._body(request)
+            try:  # a body trickled in: cut, as gRPC cuts an idle request stream
+                body = await asyncio.wait_for(self._body(request), self.limits.stream_idle_s)
+            except asyncio.TimeoutError:
+                s = self.limits.stream_idle_s
+                return error_response(
+                    408, f"request body not received within {s:g} s", "invalid_request_error",
+                    "request_timeout",
+                )  # fmt: skip
             try:
                 req, call = parse(body, self._model())
             except InvalidRequest as exc:
@@ -181,8 +190,9 @@ class HttpFrontEnd:
             chunks = self.gate.stream(req, "streaming" if call.stream else "sync")
             if call.stream:  # the status waits for the first chunk: errors before it get theirs
                 first = await _until_gone(request, anext(chunks, None))
-                return StreamingResponse(
+                return SlowClientStream(
                     self._events(call, req.request_id, first, chunks),
+                    self.limits.slow_client_s,
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
@@ -236,7 +246,8 @@ class HttpFrontEnd:
             log_level="warning",
             timeout_keep_alive=5,  # idle keep-alive connections close (uvicorn's default)
             timeout_graceful_shutdown=1,
-            limit_concurrency=self.max_connections,  # beyond: 503, as gRPC bounds connections
+            limit_concurrency=self.limits.max_connections,  # beyond: 503, as gRPC's bound
+            http=type("Bounded", (BoundedH11,), {"head_s": self.limits.stream_idle_s}),
             **(tls or {}),
         )
         self.server = uvicorn.Server(config)
@@ -253,6 +264,62 @@ class HttpFrontEnd:
             self.server.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._task, 5)
+
+
+class BoundedH11(H11Protocol):
+    """uvicorn's h11 connection, cut when it waits for a request head longer than `head_s`:
+    a connection that sends nothing or trickles its head (uvicorn bounds only the idle time
+    after a response, until more bytes arrive) cannot hold a connection slot for long."""
+
+    head_s = 30.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._waiting_since = self.loop.time()
+        self._head_timer = self.loop.call_later(self.head_s, self._check_head)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._waiting_since = self.loop.time()
+
+    def _check_head(self) -> None:
+        if self.transport.is_closing():
+            return
+        serving = self.cycle is not None and not self.cycle.response_complete
+        waited = self.loop.time() - self._waiting_since
+        if not serving and waited >= self.head_s:
+            log.info("http: no request head in %.0f s; connection closed", waited)
+            self.transport.close()
+            return
+        self._head_timer = self.loop.call_later(
+            self.head_s - waited if not serving else self.head_s, self._check_head
+        )
+
+    def connection_lost(self, exc) -> None:
+        self._head_timer.cancel()
+        super().connection_lost(exc)
+
+
+class SlowClientStream(StreamingResponse):
+    """Server-sent events whose client must take each within `slow_s` (as gRPC's
+    slow_client_s): a client that stops reading loses its stream, and the request its slot."""
+
+    def __init__(self, content, slow_s: float, **kw):
+        super().__init__(content, **kw)
+        self.slow_s = slow_s
+
+    async def stream_response(self, send) -> None:
+        async def timed(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.slow_s)
+            except asyncio.TimeoutError:
+                log.warning("http: no event taken for %g s; stream closed", self.slow_s)
+                raise ClientGone from None
+
+        try:
+            await super().stream_response(timed)
+        except ClientGone:
+            await self.body_iterator.aclose()  # cancels the request now
 
 
 class _TooLarge(Exception):

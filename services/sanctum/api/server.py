@@ -360,7 +360,7 @@ class Server:
             self.access,
             self.max_message_bytes,
             lambda: self._serving,
-            self.limits.max_connections,
+            self.limits,
         )
         self.http_port = self._call(self.http.start(self.host, port, tls))
         return self.http_port
