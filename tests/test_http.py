@@ -306,8 +306,9 @@ def test_full_is_429_and_a_disconnect_cancels(serve, backend):
     srv = serve(max_streams=1)
     before = metrics(srv)
     client = oai(srv, max_retries=0)
+    # greedy, the tiny pair writes 846 tokens after this prompt before its end of text
     stream = client.completions.create(
-        model="m", prompt="while True:", max_tokens=2000, stream=True
+        model="m", prompt="The quick brown fox", max_tokens=2000, stream=True
     )
     assert next(iter(stream)).choices[0].text is not None  # in flight, holding the one slot
     status, body = error_of(lambda: client.chat.completions.create(model="m", messages=CHAT))
@@ -320,7 +321,7 @@ def test_full_is_429_and_a_disconnect_cancels(serve, backend):
     assert wait_for(lambda: metrics(srv).get(key, 0) == before.get(key, 0) + 1)
     after = metrics(srv)
     assert after[("sanctum_completion_tokens_total", ())] < (
-        before[("sanctum_completion_tokens_total", ())] + 2000
+        before[("sanctum_completion_tokens_total", ())] + 846
     )
     ok = client.chat.completions.create(model="m", messages=CHAT, max_tokens=2)  # the slot is free
     assert ok.usage.completion_tokens == 2
@@ -448,3 +449,36 @@ def test_serve_refuses_a_taken_http_port_before_loading(make_pair, tmp_path):
     assert out.returncode == 2, out.stderr
     assert f"cannot listen on 127.0.0.1:{port} for HTTP" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_client_that_takes_no_event_loses_its_stream():
+    """SlowClientStream: a send that never completes (a client that stopped reading, its
+    socket buffers full) ends the stream after slow_s and closes the event source, which
+    cancels the request (the source here records that it was closed)."""
+    import asyncio
+
+    from sanctum.api.http import SlowClientStream
+
+    closed = []
+
+    async def events():
+        try:
+            for i in range(10**6):
+                yield f"data: {i}\n\n"
+        finally:
+            closed.append(True)
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+        if len(sent) > 3:  # the client's buffers are full from the 4th message on
+            await asyncio.Event().wait()
+
+    async def main():
+        t0 = time.monotonic()
+        await SlowClientStream(events(), 0.2, media_type="text/event-stream").stream_response(send)
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 2
+    assert closed == [True] and len(sent) == 4
