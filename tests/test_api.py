@@ -413,6 +413,27 @@ def listening_sockets(pids: set[int]) -> dict[str, int]:
     return found
 
 
+def _http_checks(c, http_port):
+    """The openai client over `sanctum serve`'s HTTP port: gRPC's greedy text, metrics counting
+    both front ends' requests. Returns an HTTP client for the rest of the test."""
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base = f"http://127.0.0.1:{http_port}"
+    http = httpx.Client(base_url=base, timeout=30)
+    assert http.get("/health").json() == {"status": "ok"}
+    want = "".join(m.text for m in c.generate(PROMPTS[2], max_tokens=8))
+    got = openai.OpenAI(base_url=f"{base}/v1", api_key="none").completions.create(
+        model="m", prompt=PROMPTS[2], max_tokens=8
+    )
+    assert got.choices[0].text == want and got.usage.completion_tokens == 8
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    done = {s.labels["outcome"]: s.value for s in families["sanctum_requests"].samples}
+    assert done == {"length": 2.0}  # one gRPC, one HTTP: each counted once
+    return http
+
+
 @pytest.mark.parametrize("mode", ["inline", "cluster"])
 def test_sigterm_drains(pair, tmp_path, mode):
     """`sanctum serve` as a process: SIGTERM flips health, refuses new work, lets the in-flight
@@ -424,7 +445,7 @@ def test_sigterm_drains(pair, tmp_path, mode):
     import ipaddress
     import tempfile
 
-    port = _free_port()
+    port, http_port = _free_port(), _free_port()
     env = dict(os.environ, SANCTUM_NO_OPENBLAS="1", SANCTUM_HOME=str(tmp_path))
     env.pop("RAY_ADDRESS", None)
     dead = subprocess.Popen(["true"])
@@ -433,19 +454,22 @@ def test_sigterm_drains(pair, tmp_path, mode):
     os.makedirs(stale, exist_ok=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "sanctum.cli", "serve", "--model", pair[0], "--drafter", pair[1],
-         "--port", str(port), "--cache-dir", str(tmp_path / "cache"),
+         "--port", str(port), "--http-port", str(http_port), "--cache-dir", str(tmp_path / "cache"),
          *(["--inline"] if mode == "inline" else [])],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         with Client(f"127.0.0.1:{port}") as c:
             c.wait_serving(120)
+            # issue 13: HTTP in the same process, on the same backend (inline or the cluster)
+            http = _http_checks(c, http_port)
             call = c.stream(make_request(PROMPTS[0], max_tokens=200, use_cache=False))
             first = next(call)
             tree = process_tree(proc.pid)
             if mode == "cluster":
                 sockets = listening_sockets(tree)
                 assert len(tree) > 5 and f"127.0.0.1:{port}" in sockets  # Ray's processes too
+                assert f"127.0.0.1:{http_port}" in sockets
                 wide = [
                     a for a in sockets if not ipaddress.ip_address(a.rsplit(":", 1)[0]).is_loopback
                 ]
@@ -454,6 +478,7 @@ def test_sigterm_drains(pair, tmp_path, mode):
                 assert _socket_dirs(tree)  # the verifier's and the drafter's, while serving
             proc.send_signal(signal.SIGTERM)
             assert wait_for(lambda: c.health() == "NOT_SERVING", timeout=5)
+            assert http.get("/health").status_code == 503
             with pytest.raises(grpc.RpcError) as err:
                 list(c.generate(PROMPTS[1], max_tokens=4, timeout=10))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -120,6 +120,37 @@ def test_cli_generate_json(make_pair, capsys):
     assert plain["tokens"] == out["tokens"] and plain["tau"] is None
 
 
+def test_cli_generate_verbose_text_on_stdout_rounds_on_stderr(make_pair, capsys):
+    """Issue 13: --verbose wrote the text in pieces between the round lines, so on a terminal
+    a round line began mid-text. Now stdout is the text (as --json gives it), and stderr has
+    one round line per round, each on its own line."""
+    import contextlib
+    import io
+    import re
+
+    from sanctum.cli import main
+
+    target_dir, drafter_dir = make_pair("hybrid", "dflash")
+    args = ["generate", "--model", str(target_dir), "--drafter", str(drafter_dir),
+            "--prompt", "def fibonacci(n):", "--max-tokens", "12"]  # fmt: skip
+    assert main([*args, "--json"]) == 0
+    want = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*args, "--verbose"]) == 0
+    out, err = capsys.readouterr()
+    assert out == want["text"] + "\n"
+    rounds = [line for line in err.splitlines() if "bs=" in line]
+    assert len(rounds) == len(want["rounds"])
+    pattern = r"bs=\d+ accepted=\d+ committed=\d+ completion_tokens=\d+"
+    assert all(re.fullmatch(pattern, line) for line in rounds), rounds
+    # both on one terminal: every round line whole, the text in one piece
+    screen = io.StringIO()
+    with contextlib.redirect_stdout(screen), contextlib.redirect_stderr(screen):
+        assert main([*args, "--verbose"]) == 0
+    lines = screen.getvalue().splitlines()
+    assert sum(bool(re.fullmatch(pattern, line)) for line in lines) == len(want["rounds"])
+    assert want["text"] + "\n" in screen.getvalue()
+
+
 def test_cli_reports_bad_flags(make_pair, capsys):
     from sanctum.cli import main
 

@@ -62,7 +62,7 @@ def cmd_generate(args) -> int:
                 )
                 if args.verbose:
                     print(step.stats.line(len(tokens)), file=sys.stderr)
-            if not args.json:
+            if not args.json and not args.verbose:  # verbose: the text once, after the rounds
                 print(delta, end="", flush=True)
             finish = step.finish_reason or finish
         text += stream.finish()
@@ -82,10 +82,10 @@ def cmd_generate(args) -> int:
         }
     if args.json:
         print(json.dumps(result))
-    elif not args.server:
+    elif not args.server and not args.verbose:
         print()
     else:
-        print(result["text"])
+        print(result["text"], flush=True)
     return 0
 
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # bad flags or files, a port taken
         print(f"sanctum: error: {exc}", file=sys.stderr)
         return 2
 

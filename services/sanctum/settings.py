@@ -186,10 +186,12 @@ class ConnectionLimits:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """The gRPC front end: where it listens, who may call, how large a message may be."""
+    """The front ends (gRPC, and HTTP on the same host): where they listen, who may call, how
+    large a message may be."""
 
     host: str = var("SANCTUM_HOST", "127.0.0.1")
     port: int = var("SANCTUM_PORT", 1337, int)
+    http_port: int = var("SANCTUM_HTTP_PORT", 8080, int)  # on `host`; 0: no HTTP front end
     max_message_bytes: int = var("SANCTUM_MAX_MESSAGE_BYTES", 16 << 20, int)
     auth_token_file: str | None = var("SANCTUM_AUTH_TOKEN_FILE")
     tls_cert: str | None = var("SANCTUM_TLS_CERT")
@@ -206,12 +208,14 @@ def server_settings(
     tls_key: str | None = None,
     tls_client_ca: str | None = None,
     env: Env = os.environ,
+    http_port: int | None = None,
 ) -> ServerSettings:
     return read(
         ServerSettings,
         env,
         host=host or None,
         port=port,
+        http_port=http_port,
         auth_token_file=auth_token_file or None,
         tls_cert=tls_cert or None,
         tls_key=tls_key or None,

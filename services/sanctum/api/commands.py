@@ -14,10 +14,18 @@ def register(sub) -> None:
     """`sanctum serve`."""
     from ..settings import add_model_flags
 
-    s = sub.add_parser("serve", help="serve gRPC (sanctum.v1.Inference) from the actor cluster")
+    s = sub.add_parser(
+        "serve", help="serve gRPC (sanctum.v1.Inference) and HTTP (OpenAI's API) from the cluster"
+    )
     add_model_flags(s)
     s.add_argument("--host", help="listen address (default SANCTUM_HOST or 127.0.0.1)")
     s.add_argument("--port", type=int, help="listen port (default SANCTUM_PORT or 1337)")
+    s.add_argument(
+        "--http-port",
+        type=int,
+        help="OpenAI-compatible HTTP API, /health and /metrics on the gRPC host (default "
+        "SANCTUM_HTTP_PORT or 8080; 0: off)",
+    )
     s.add_argument("--inline", action="store_true", help="run the roles in this process (no Ray)")
     s.add_argument(
         "--ladder", type=int, help="SSM ladder depth (default SANCTUM_MLX_SSM_LADDER or 4)"
@@ -73,14 +81,21 @@ def cmd_serve(args) -> int:
         resources={role: getattr(args, f"{role}_resources") for role in ROLES},
     )
     net = server_settings(
-        args.host, args.port, args.auth_token_file, args.tls_cert, args.tls_key, args.tls_client_ca
+        args.host,
+        args.port,
+        args.auth_token_file,
+        args.tls_cert,
+        args.tls_key,
+        args.tls_client_ca,
+        http_port=args.http_port,
     )
     return serve(settings, net, args.inline, args.drain_timeout)
 
 
 def serve(settings, net, inline: bool = False, drain_timeout: float = 30.0) -> int:
-    """`sanctum serve`: gRPC on net.host:net.port over the actor cluster (a local Ray on
-    loopback, or RAY_ADDRESS) or, with `inline`, over the roles in this process. Returns at the
+    """`sanctum serve`: gRPC on net.host:net.port, and HTTP on net.http_port (api/http.py, on
+    the same loop and backend), over the actor cluster (a local Ray on loopback, or
+    RAY_ADDRESS) or, with `inline`, over the roles in this process. Returns at the
     end of a drain. Access problems (a bad token file, no token beyond loopback) are refused
     before anything is loaded."""
     import signal
@@ -130,9 +145,16 @@ def serve(settings, net, inline: bool = False, drain_timeout: float = 30.0) -> i
             access=access,
             limits=net.limits,
         )
+        if net.http_port:
+            try:
+                server.start_http(net.http_port, http_tls(net))
+            except BaseException:
+                server.stop(0)
+                raise
         log.info(
-            "listening on %s (%s%s; NOT_SERVING until the models are loaded)",
+            "listening on %s%s (%s%s; NOT_SERVING until the models are loaded)",
             server.address,
+            f", HTTP on port {server.http_port}" if server.http_port else "",
             "TLS" if access.tls_cert else "plaintext",
             ", bearer token" if access.token else "",
         )
@@ -146,8 +168,9 @@ def serve(settings, net, inline: bool = False, drain_timeout: float = 30.0) -> i
             backend = start_cluster(settings)
         server.attach(backend)
         server.ready()
+        http = f", http://{net.host}:{server.http_port}" if server.http_port else ""
         print(
-            f"sanctum: serving {settings.engine.model} on {server.address} ({backend.mode})",
+            f"sanctum: serving {settings.engine.model} on {server.address}{http} ({backend.mode})",
             flush=True,
         )
         while not stop.wait(0.25):  # a timeout: a signal landing on another thread still runs
@@ -162,3 +185,16 @@ def serve(settings, net, inline: bool = False, drain_timeout: float = 30.0) -> i
             import ray
 
             ray.shutdown()
+
+
+def http_tls(net) -> dict | None:
+    """uvicorn's TLS options from the gRPC server's files (the same certificate, key and
+    client CA serve both front ends)."""
+    if not net.tls_cert:
+        return None
+    import ssl
+
+    tls = {"ssl_certfile": net.tls_cert, "ssl_keyfile": net.tls_key}
+    if net.tls_client_ca:
+        tls.update(ssl_ca_certs=net.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return tls

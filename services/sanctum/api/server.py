@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from ..serving.errors import QueueFull, Unavailable
+from ..serving.errors import InvalidRequest, QueueFull, Unavailable
 from ..settings import ConnectionLimits
 from ..wire.convert import (
     chunk_to_proto,
@@ -75,6 +75,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     # ---- bookkeeping ---------------------------------------------------------------------------
     def _enter(self) -> None:
         """Count a generation request in, or raise why not (Unavailable, QueueFull)."""
+        try:
+            self._admit()
+        except (Unavailable, QueueFull) as exc:
+            self.refused(exc)
+            raise
+
+    def refused(self, exc: Exception) -> None:
+        """Count a request refused before it reached the backend (here, or malformed): the
+        backend counts every other request, once (serving/metrics.py)."""
+        metrics = getattr(self.backend, "metrics", None)
+        if metrics is not None:
+            metrics.refused(exc)
+
+    def _admit(self) -> None:
         with self._cv:
             if self.draining:
                 raise Unavailable("the server is draining; retry elsewhere")
@@ -111,8 +125,48 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """On a generation thread: the request's id and its chunk iterator (raises at once for
         a full queue or a restarting verifier; bad input is the serving core's to refuse, once,
         before tokenization: serving/requests.py `validate`)."""
-        req = request_from_proto(request)
+        try:
+            req = request_from_proto(request)
+        except InvalidRequest as exc:
+            self.refused(exc)
+            raise
+        return self._submit(req, mode, deadline)
+
+    def _submit(self, req, mode: str, deadline: float | None):
         return req.request_id, iter(self.backend.submit(req, mode, deadline))
+
+    async def stream(self, req, mode: str, deadline: float | None = None):
+        """The chunks of `req` (a serving GenerateRequest) for the HTTP front end, under the same
+        admission as gRPC's (draining, loading, the bound on generation), the backend's blocking
+        calls on the same threads. Raises the serving errors; a caller that stops early
+        (disconnected, cancelled) cancels the request in the backend."""
+        self._enter()
+        loop = asyncio.get_running_loop()
+        ended = False
+        try:
+            opening = loop.run_in_executor(self._generation, self._submit, req, mode, deadline)
+            try:
+                _, chunks = await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                opening.add_done_callback(self._cancel_opened)
+                raise
+            except Exception:
+                ended = True  # refused: nothing to cancel
+                raise
+            while True:
+                try:
+                    chunk = await loop.run_in_executor(self._generation, next, chunks, _END)
+                except Exception:
+                    ended = True
+                    raise
+                if chunk is _END:
+                    ended = True
+                    return
+                yield chunk
+        finally:
+            if not ended:
+                self.backend.cancel(req.request_id)
+            self._leave()
 
     async def _chunks(self, request, context, mode: str):
         """The request's chunks; aborts the RPC with the right status on any error."""
@@ -253,6 +307,9 @@ class Server:
             self._stop_loop()
             raise
         self.address = f"{host}:{self.port}"
+        self.host, self.max_message_bytes, self.limits = host, max_message_bytes, limits
+        self.http = None  # api/http.py HttpFrontEnd, once start_http ran
+        self.http_port: int | None = None
         self.backend = None
         if backend is not None:
             self.attach(backend)
@@ -291,6 +348,22 @@ class Server:
             raise OSError(f"cannot listen on {address}")
         await self.grpc.start()
         return bound
+
+    def start_http(self, port: int, tls: dict | None = None) -> int:
+        """Serve HTTP (api/http.py: OpenAI's API, /health, /metrics) on this server's host and
+        event loop, over its backend, admission and token; `port` 0: any free one. `tls`:
+        uvicorn's ssl_* options. Returns the bound port."""
+        from .http import HttpFrontEnd
+
+        self.http = HttpFrontEnd(
+            self.servicer,
+            self.access,
+            self.max_message_bytes,
+            lambda: self._serving,
+            self.limits,
+        )
+        self.http_port = self._call(self.http.start(self.host, port, tls))
+        return self.http_port
 
     def attach(self, backend) -> None:
         """Serve from `backend` (health stays NOT_SERVING until `ready`)."""
@@ -337,6 +410,8 @@ class Server:
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop serving (in-flight RPCs get `grace` seconds), then the loop thread."""
         if self._thread.is_alive():
+            if self.http is not None:
+                self._call(self.http.stop())
             self._call(self.grpc.stop(grace))
             self._stop_loop()
         self.servicer.close()

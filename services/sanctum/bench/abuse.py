@@ -79,6 +79,8 @@ class _started_server:
             str(port),
             "--cache-dir",
             "none",
+            "--http-port",
+            "0",  # gRPC only: what the bench measures
             *(["--inline"] if self.args.inline else []),
         ]
         for name, value in model_flags(self.args).items():

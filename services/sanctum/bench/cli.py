@@ -34,6 +34,9 @@ def register(sub) -> None:
     from .abuse import add_parser as add_abuse
 
     add_abuse(bsub)
+    from .http import add_parser as add_http
+
+    add_http(bsub)
     t = bsub.add_parser("tau", help="tau and speculative/plain tok/s per context length")
     add_model_flags(t)
     t.add_argument(
@@ -72,6 +75,13 @@ def abuse(args) -> dict:
     return run(args)
 
 
+def http(args) -> dict:
+    """HTTP vs gRPC per-request latency on one server (bench/http.py)."""
+    from .http import run
+
+    return run(args)
+
+
 def seed(args) -> dict:
     """The seed's shapes on random weights (bench/seed.py)."""
     from .seed import seed as run
@@ -93,6 +103,7 @@ BENCHES = {
     "tau": tau,
     "reencode": reencode,
     "abuse": abuse,
+    "http": http,
     "seed": seed,
     "cuda": cuda,
 }

@@ -19,6 +19,7 @@ import ray
 
 from ..serving.errors import InternalError, Unavailable
 from ..serving.inline import RoundDelay
+from ..serving.metrics import Metrics
 from ..serving.stats import CacheStats, EntryInfo, Stats
 from ..settings import RoleProcesses, ServeSettings
 from ..wire.convert import chunk_from_proto, request_to_proto
@@ -117,6 +118,8 @@ class ClusterBackend:
         self.events_path: str | None = None
         self._events: EventClient | None = None
         self._events_lock = threading.Lock()
+        self.restarts = {"verifier": 0}  # deaths seen (serving/metrics.py)
+        self.metrics = Metrics(self)
 
     def ready(self, timeout: float | None = None) -> None:
         """Block until the verifier (and through it the drafter and store) has loaded."""
@@ -171,6 +174,10 @@ class ClusterBackend:
             return self._events
 
     def submit(self, req, mode: str = "streaming", deadline: float | None = None):
+        """Chunks of `req` as they are committed; raises QueueFull / Unavailable at once."""
+        return self.metrics.track(lambda: self._submit(req, mode, deadline))
+
+    def _submit(self, req, mode: str, deadline: float | None):
         if self._restarting:  # fail fast: waiting for the restart would hold the caller ~15 s
             raise Unavailable("the verifier is restarting; retry shortly")
         sub = roles.Submit(request_id=req.request_id, mode=mode, deadline_unix=deadline or 0.0)
@@ -215,6 +222,7 @@ class ClusterBackend:
         if self._closing or not self._watching.acquire(blocking=False):
             return
         self._restarting = True
+        self.restarts["verifier"] += 1
         log.warning("verifier: lost; NOT_SERVING until it is back")
         with self._events_lock:
             if self.events_path == "ray":  # the restarted verifier may run on another host

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..settings import EngineSettings, ServeSettings
+from .metrics import Metrics
 from .requests import Chunk, GenerateRequest
 from .stats import EntryInfo, Stats, cache_stats, entry_infos, serving_stats
 
@@ -110,6 +111,8 @@ class InlineBackend:
 
         self.settings = settings
         self.store = None
+        self.restarts: dict[str, int] = {}  # one process: no role restarts on its own
+        self.metrics = Metrics(self)
 
         def load():  # on the scheduler's thread, which then owns MLX
             self.store = PromptStore(settings.cache.max_bytes, settings.cache.directory)
@@ -129,7 +132,7 @@ class InlineBackend:
         self, req: GenerateRequest, mode: str = "streaming", deadline: float | None = None
     ) -> Iterator[Chunk]:
         """Chunks of `req` as they are committed; raises QueueFull / Unavailable at once."""
-        return iter(self.scheduler.submit(req, mode, deadline))
+        return self.metrics.track(lambda: self.scheduler.submit(req, mode, deadline))
 
     def cancel(self, request_id: str) -> None:
         self.scheduler.cancel(request_id)

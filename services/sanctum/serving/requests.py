@@ -159,8 +159,10 @@ def validate(req: GenerateRequest, limits: Limits) -> None:
         raise InvalidRequest("temperature", f"must be a finite number >= 0, got {req.temperature}")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
         raise InvalidRequest("top_p", f"must be in (0, 1], got {req.top_p}")
-    if req.top_k is not None and req.top_k < 0:
-        raise InvalidRequest("top_k", f"must be >= 0, got {req.top_k}")
+    if req.top_k is not None and not 0 <= req.top_k < 2**31:
+        raise InvalidRequest("top_k", f"must be in [0, 2^31), got {req.top_k}")
+    if req.seed is not None and not 0 <= req.seed < 2**64:  # JSON's integers are unbounded
+        raise InvalidRequest("seed", f"must be in [0, 2^64), got {req.seed}")
     if req.kv_mode not in (None, "", *kv_modes()):
         raise InvalidRequest("kv_mode", f"must be fp16 or q8, got {req.kv_mode!r}")
     if len(req.stop) > MAX_STOP_SEQUENCES:

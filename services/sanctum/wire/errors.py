@@ -1,11 +1,13 @@
 """Errors across process boundaries, in ONE table: each serving error (serving/errors.py) with the
-role error code it travels as between processes (roles.proto `RoleError`) and the gRPC status a
-client gets. Anything else is internal.
+role error code it travels as between processes (roles.proto `RoleError`), the gRPC status a
+gRPC client gets, and the HTTP status and OpenAI error type an HTTP client gets (api/http.py).
+Anything else is internal.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 import grpc
 
@@ -15,16 +17,18 @@ from .gen import roles_pb2 as roles
 
 log = logging.getLogger("sanctum.api")
 
-# serving error, roles.RoleError.Code, gRPC status
-ERRORS: tuple[tuple[type[Exception], int, grpc.StatusCode], ...] = (
-    (InvalidRequest, roles.RoleError.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT),
-    (QueueFull, roles.RoleError.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (Unavailable, roles.RoleError.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
-    (InternalError, roles.RoleError.INTERNAL, grpc.StatusCode.INTERNAL),
+_R = roles.RoleError
+_S = grpc.StatusCode
+# serving error, roles.RoleError.Code, gRPC status, HTTP status, OpenAI error type
+ERRORS: tuple[tuple[type[Exception], int, grpc.StatusCode, int, str], ...] = (
+    (InvalidRequest, _R.INVALID_ARGUMENT, _S.INVALID_ARGUMENT, 400, "invalid_request_error"),
+    (QueueFull, _R.RESOURCE_EXHAUSTED, _S.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+    (Unavailable, _R.UNAVAILABLE, _S.UNAVAILABLE, 503, "service_unavailable"),
+    (InternalError, _R.INTERNAL, _S.INTERNAL, 500, "server_error"),
 )
 
 
-def _row(exc: BaseException) -> tuple[type[Exception], int, grpc.StatusCode]:
+def _row(exc: BaseException) -> tuple[type[Exception], int, grpc.StatusCode, int, str]:
     return next((row for row in ERRORS if isinstance(exc, row[0])), ERRORS[-1])
 
 
@@ -56,3 +60,22 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return status, str(exc)
     log.error("internal error: %r", exc, exc_info=exc)
     return status, f"internal error: {exc}"
+
+
+def http_error(exc: BaseException) -> tuple[int, dict]:
+    """The HTTP status and OpenAI-shaped body (`{"error": {message, type, param, code}}`) an
+    HTTP client gets for `exc` (an unexpected one is logged)."""
+    row = _row(exc)
+    param = None
+    if isinstance(exc, InvalidRequest):  # OpenAI's names: token ids are a `prompt` too
+        param = re.sub(r"^prompt_ids\b", "prompt", exc.field)
+        text = str(exc)
+        text = text[len(exc.field) + 2 :] if text.startswith(f"{exc.field}: ") else text
+        message = f"{param}: " + re.sub(r"\bprompt_ids\b", "prompt", text)
+    elif isinstance(exc, (QueueFull, Unavailable)):
+        message = str(exc)
+    else:
+        log.error("internal error: %r", exc, exc_info=exc)
+        message = f"internal error: {exc}"
+    code = row[2].name.lower()  # the gRPC status's name: one vocabulary for both front ends
+    return row[3], {"error": {"message": message, "type": row[4], "param": param, "code": code}}
