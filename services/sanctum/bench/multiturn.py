@@ -21,6 +21,19 @@ def _code_snippets(count: int, chars: int = 900) -> list[str]:
     return out
 
 
+def cache_bytes(store) -> dict:
+    """The prompt cache's bytes now: all entries together, and its longest entry alone."""
+    entries = store.entries()
+    longest = max(entries, key=lambda e: len(e.tokens)) if entries else None
+    alone = longest.nbytes if longest is not None else 0
+    return {
+        "entries": len(entries),
+        "cache_MiB": round(store.nbytes / 2**20, 3),
+        "longest_MiB": round(alone / 2**20, 3),
+        "ratio": round(store.nbytes / alone, 3) if alone else 0.0,
+    }
+
+
 def multiturn(args) -> list[dict]:
     """A chat whose history grows turn by turn; per turn the prompt cache's resume figures and
     time to first token warm (cache as the conversation left it) and cold (same prompt, no
@@ -36,11 +49,12 @@ def multiturn(args) -> list[dict]:
     settings = engine_settings(**model_flags(args))
     target, drafter = load_models(settings)
     cache = cache_settings(ladder=args.ladder)
+    store = PromptStore(cache.max_bytes)
     verifier = Verifier(
         target,
         drafter,
         LocalDraftPeer(drafter) if drafter else None,
-        PromptStore(cache.max_bytes),
+        store,
         cache.ladder_depth,
         settings.kv_mode,
         settings.block_size,
@@ -74,6 +88,7 @@ def multiturn(args) -> list[dict]:
                 "ttft_warm_s": warm.ttft_s,
                 "ttft_cold_s": cold.ttft_s,
                 "kv": warm.kv,
+                **cache_bytes(store),
             }
         )
         messages.append({"role": "assistant", "content": text})
