@@ -31,6 +31,15 @@ def cache_bytes(store) -> dict:
         "cache_MiB": round(store.nbytes / 2**20, 3),
         "longest_MiB": round(alone / 2**20, 3),
         "ratio": round(store.nbytes / alone, 3) if alone else 0.0,
+        **{k: round(v / 2**20, 3) for k, v in _by_kind(store).items()},
+    }
+
+
+def _by_kind(store) -> dict:
+    """KV, taps and rung MiB, and of those the bytes more than one entry shares."""
+    a = store.accounting()
+    return {
+        f"{k}_MiB": a[f"{k}_bytes"] for k in ("kv", "taps", "rung", "shared") if f"{k}_bytes" in a
     }
 
 
@@ -49,7 +58,7 @@ def multiturn(args) -> list[dict]:
     settings = engine_settings(**model_flags(args))
     target, drafter = load_models(settings)
     cache = cache_settings(ladder=args.ladder)
-    store = PromptStore(cache.max_bytes)
+    store = PromptStore(cache.max_bytes, ladder_bytes=cache.ladder_bytes)
     verifier = Verifier(
         target,
         drafter,
@@ -58,6 +67,7 @@ def multiturn(args) -> list[dict]:
         cache.ladder_depth,
         settings.kv_mode,
         settings.block_size,
+        ladder_bytes=cache.ladder_bytes,
     )
     messages = [{"role": "system", "content": "You are a careful Python reviewer."}]
     rows = []
