@@ -233,3 +233,22 @@ def test_fuzz_interleaved_conversations_resume_like_cold(pair, kv, tol):
         and store.stats["evictions"] >= 1
         and store.stats["superseded"] >= 3
     )
+
+
+def test_seed_shape_accounting_before_and_after():
+    """bench cache-size at the seed's shapes (a shorter conversation): the old store held every
+    turn whole, the shared one about the last entry alone; the bytes are the store's own."""
+    from sanctum.bench.cachesize import conversation, seed_shapes
+
+    shapes = seed_shapes()
+    assert (shapes["attention_layers"], shapes["gdn_layers"], shapes["taps"]) == (16, 48, 25600)
+    entries = conversation("fp16", turns=4, tokens=512, depth=4)
+    per_token = 16 * 4 * 256 * 2 * 2 + 5 * 5120 * 2 + 4  # KV, taps, the token id: 64 + 50 KiB
+    rung = 48 * (3 * 10240 * 2 + 48 * 128 * 128 * 4)
+    last = entries[-1]
+    assert last.nbytes == 512 * per_token + len(last.rungs) * rung
+    store = PromptStore(1 << 40)
+    for e in entries:
+        store.put(e)
+    assert len(store) == 1 and sum(e.nbytes for e in entries) > 2.5 * store.nbytes
+    assert store.nbytes == 512 * per_token + (len(last.rungs) + 2) * rung  # two adopted rungs
