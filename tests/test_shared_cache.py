@@ -252,3 +252,16 @@ def test_seed_shape_accounting_before_and_after():
         store.put(e)
     assert len(store) == 1 and sum(e.nbytes for e in entries) > 2.5 * store.nbytes
     assert store.nbytes == 512 * per_token + (len(last.rungs) + 2) * rung  # two adopted rungs
+
+
+def test_older_unshared_files_are_dropped(tmp_path):
+    """A directory the previous version wrote (format 1: each entry's tensors whole) is not
+    misread: its entries go, files and all, and the store starts empty and serves."""
+    import msgpack
+
+    mx.save_safetensors(str(tmp_path / "old.safetensors"), {"kv.0.0": mx.zeros((1, 2, 4, 8))})
+    (tmp_path / "old.msgpack").write_bytes(msgpack.packb({"format": 1, "model_key": MODEL}))
+    store = PromptStore(1 << 30, tmp_path)
+    assert len(store) == 0 and not list(tmp_path.iterdir())
+    store.put(synthetic(list(range(1, 30)), rungs=(29,)))
+    assert PromptStore(1 << 30, tmp_path).plan(MODEL, list(range(1, 31))).resumed_at == 29

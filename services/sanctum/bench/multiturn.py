@@ -25,9 +25,8 @@ def _code_snippets(count: int, chars: int = 900) -> list[str]:
 
 def cache_bytes(store) -> dict:
     """The prompt cache's bytes now: all entries together, and its longest entry alone."""
-    entries = store.entries()
-    longest = max(entries, key=lambda e: len(e.tokens)) if entries else None
-    alone = longest.nbytes if longest is not None else 0
+    entries = store.listing()
+    alone = max(entries, key=lambda e: e["num_tokens"])["nbytes"] if entries else 0
     return {
         "entries": len(entries),
         "cache_MiB": round(store.nbytes / 2**20, 3),

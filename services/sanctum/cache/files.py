@@ -102,6 +102,10 @@ def read_metas(directory: Path, stats: dict, log) -> list[dict]:
             continue
         try:
             meta = msgpack.unpackb(meta_file.read_bytes())
+            if isinstance(meta, dict) and meta.get("format") == 1:  # unshared: rebuilt as used
+                log.info("prompt cache: dropping %s (an older, unshared format)", meta_file.name)
+                meta_file.unlink(missing_ok=True)
+                continue
             if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
                 raise ValueError("unknown metadata format")
             meta["entry_id"] = meta_file.stem
