@@ -188,20 +188,22 @@ def pair(make_pair):
 
 
 @pytest.mark.parametrize("kv,tol", [("fp16", 1e-4), ("q8", 1e-3)])
-def test_fuzz_interleaved_conversations_resume_like_cold(pair, kv, tol):
+def test_fuzz_interleaved_conversations_resume_like_cold(pair, kv, tol, tmp_path):
     """Four conversations (two sharing a system prompt), their turns interleaved at random,
-    some turns editing an earlier one, in a store small enough to evict: every resume's logits
-    equal a cold prefill's, and every output the uncached one."""
+    some turns editing an earlier one, sync and streaming, in a persisted store small enough to
+    evict and restarted halfway: every resume's logits equal a cold prefill's, and every output
+    the uncached one."""
     target, drafter = pair
     rng = random.Random(17)
     vocab = min(target.vocab_size, 200)
     words = lambda n: [rng.randrange(3, vocab) for _ in range(n)]
     system = words(24)
     convs = [system + words(10), system + words(12), words(30), words(20)]
-    store = PromptStore(1 << 30)
+    store = PromptStore(1 << 30, tmp_path)
     verifier = Verifier(target, drafter, LocalDraftPeer(drafter), store, 4, kv)
     key = verifier.model_key(kv)
     resumed = branched = 0
+    counted = {"evictions": 0, "superseded": 0}
     for step in range(20):
         c = rng.randrange(len(convs))
         prompt = convs[c]
@@ -219,7 +221,7 @@ def test_fuzz_interleaved_conversations_resume_like_cold(pair, kv, tol):
             warm, _ = target.prefill(prompt[plan.resumed_at :], cache)
             np.testing.assert_allclose(np.array(warm), np.array(cold), atol=tol, rtol=tol)
         req = GenerateRequest(prompt_ids=tuple(prompt), max_tokens=6)
-        chunks = list(verifier.generate(req))
+        chunks = list(verifier.generate(req, "streaming" if step % 2 else "sync"))
         cold_req = GenerateRequest(prompt_ids=tuple(prompt), max_tokens=6, use_cache=False)
         out = [t for ch in chunks for t in ch.token_ids]
         assert out == [t for ch in verifier.generate(cold_req) for t in ch.token_ids]
@@ -227,12 +229,15 @@ def test_fuzz_interleaved_conversations_resume_like_cold(pair, kv, tol):
         check_consistent(store)
         if step == 5:  # from here on the store holds about two conversations: evictions
             store.max_bytes = store.nbytes * 3 // 4
-    assert (
-        branched >= 2
-        and resumed >= 8
-        and store.stats["evictions"] >= 1
-        and store.stats["superseded"] >= 3
-    )
+        if step == 12:  # a restart: the same entries, pages and bytes, shared as they were
+            counted = {k: counted[k] + store.stats[k] for k in counted}
+            reloaded = PromptStore(store.max_bytes, tmp_path)
+            assert reloaded.listing() == store.listing() and reloaded.nbytes == store.nbytes
+            check_consistent(reloaded)
+            store = verifier.store = reloaded
+    counted = {k: counted[k] + store.stats[k] for k in counted}
+    assert branched >= 2 and resumed >= 8
+    assert counted["evictions"] >= 1 and counted["superseded"] >= 3
 
 
 def test_seed_shape_accounting_before_and_after():
@@ -265,3 +270,16 @@ def test_older_unshared_files_are_dropped(tmp_path):
     assert len(store) == 0 and not list(tmp_path.iterdir())
     store.put(synthetic(list(range(1, 30)), rungs=(29,)))
     assert PromptStore(1 << 30, tmp_path).plan(MODEL, list(range(1, 31))).resumed_at == 29
+
+
+def test_choose_rungs_within_a_byte_budget():
+    """The ladder places the prompt boundary first, then the re-encoding rung, the end, message
+    starts; a byte budget cuts from the back (never below the prompt boundary)."""
+    from sanctum.cache.ladder import choose_rungs
+
+    st = [(mx.zeros((1, 3, 4)), mx.zeros((1, 2, 4, 4)))]  # 176 bytes
+    pool = {p: st for p in (40, 80, 100, 110, 120)}
+    args = (4, 100, 120, [80], pool, {40: st}, 110)
+    assert set(choose_rungs(*args)) == {100, 110, 120, 80}
+    assert set(choose_rungs(*args, max_bytes=2 * 176)) == {100, 110}
+    assert set(choose_rungs(*args, max_bytes=1)) == {100}
