@@ -93,6 +93,22 @@ def test_shared_prefix_is_stored_once_and_survives_eviction():
     assert mx.array_equal(plan.rungs[40][0][0], b.rungs[40][0][0]).item()
 
 
+def test_same_tokens_after_a_different_prefix_are_not_shared():
+    """Pages are keyed by the whole prefix: two entries that differ in their first token only
+    hold the same tokens at the same positions after it, yet nothing of theirs is shared."""
+    tail = list(range(1, 50))
+    x, y = synthetic([500, *tail], rungs=(30, 50)), synthetic([600, *tail], rungs=(30, 50))
+    store = PromptStore(1 << 30)
+    store.put(x)
+    store.put(y)
+    assert store.accounting()["shared_bytes"] == 0 and len(store) == 2
+    plan = store.plan(MODEL, [600, *tail, 7])
+    assert plan.resumed_at == 50
+    assert mx.array_equal(plan.kv[0][0], y.kv[0][0]).item()
+    assert mx.array_equal(plan.taps, y.taps).item()
+    assert mx.array_equal(plan.rungs[30][0][0], y.rungs[30][0][0]).item()
+
+
 def test_sharing_survives_restart_and_eviction(tmp_path):
     system = list(range(1, 41))
     a = synthetic(system + list(range(100, 130)), rungs=(40, 70), prompt_len=60)
@@ -207,9 +223,12 @@ def test_fuzz_interleaved_conversations_resume_like_cold(pair, kv, tol, tmp_path
     for step in range(20):
         c = rng.randrange(len(convs))
         prompt = convs[c]
-        if step >= 6 and rng.random() < 0.3:  # a branch: edit an earlier turn
+        if step >= 6 and rng.random() < 0.4:  # a branch: edit an earlier turn
             cut = rng.randrange(1, len(prompt))
-            prompt = prompt[:cut] + words(6)
+            if rng.random() < 0.5:  # a new ending
+                prompt = prompt[:cut] + words(6)
+            else:  # one token changed, everything after it as it was
+                prompt = prompt[:cut] + words(1) + prompt[cut + 1 :]
             branched += 1
         # the cold logits first, then the plan the verifier would follow, restored and finished
         cold, _ = target.prefill(prompt, target.make_cache(kv))
@@ -236,7 +255,7 @@ def test_fuzz_interleaved_conversations_resume_like_cold(pair, kv, tol, tmp_path
             check_consistent(reloaded)
             store = verifier.store = reloaded
     counted = {k: counted[k] + store.stats[k] for k in counted}
-    assert branched >= 2 and resumed >= 8
+    assert branched >= 2 and resumed >= 6
     assert counted["evictions"] >= 1 and counted["superseded"] >= 3
 
 
