@@ -155,6 +155,11 @@ def test_next_turn_supersedes_and_adopts_rungs_within_budget():
     check_consistent(store)
     # the branch: an edit at 45 resumes from the deepest rung at or before it
     assert store.plan(MODEL, turn1[:45] + [999]).resumed_at == 40
+    # no warm turn went cold: the next turn resumes at turn 2's end, a retry of turn 2 below
+    # its prompt boundary, a retry of turn 1 at its deepest adopted rung
+    assert store.plan(MODEL, turn2 + [5, 6]).resumed_at == 100
+    assert store.plan(MODEL, turn2[:90]).resumed_at == 80
+    assert store.plan(MODEL, turn1[:50]).resumed_at == 40
     # an explicit budget of five rungs keeps one of turn 1's
     small = PromptStore(1 << 30, ladder_bytes=5 * rung)
     small.put(e1)
