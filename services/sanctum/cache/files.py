@@ -17,7 +17,7 @@ import mlx.core as mx
 import msgpack
 import numpy as np
 
-from .pages import Page, Rung
+from .pages import Page, Record, Rung
 
 FORMAT_VERSION = 2  # 1: one file per entry holding all its tensors (not shared)
 PRIVATE_FILE = 0o600  # entries and their metadata: only the serving user may read them
@@ -137,8 +137,6 @@ class TensorFiles:
 
 def record_from_meta(meta: dict, tensors: TensorFiles, pages: dict, rungs: dict):
     """(record, the pages and rungs it brings that `pages` / `rungs` lack) from metadata."""
-    from .store import Record
-
     tokens = np.frombuffer(meta["tokens"], dtype=np.int32).copy()
     digests = meta["digests"]
     new_pages, new_rungs = {}, {}

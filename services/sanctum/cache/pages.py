@@ -9,6 +9,8 @@ Gated DeltaNet state after p tokens) is keyed the same way by its prefix, so an 
 inherits a rung references it instead of copying it. Pages and rungs count their referencing
 entries; one that no entry references is freed.
 
+`Record` is an entry as the store keeps it: tokens and the keys it references.
+
 Why fixed pages rather than radix-node segments: a page never changes once written (an edge
 split would have to cut and rewrite stored arrays and their files), lookups stay in the radix
 tree of entries, and the cost of the last, partial page is bounded: at most PAGE_TOKENS - 1
@@ -62,6 +64,21 @@ class Rung:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for pair in self.states for a in pair)
+
+
+@dataclass
+class Record:
+    """A stored entry: its tokens and the keys of the pages and rungs it references."""
+
+    entry_id: str
+    model_key: str
+    kv_mode: str
+    tokens: np.ndarray  # [T] int32
+    prompt_len: int  # T when unknown
+    created: float
+    has_taps: bool
+    pages: list[str]  # page keys, in token order
+    rungs: dict[int, str]  # position -> rung key
 
 
 def page_bounds(num_tokens: int) -> list[tuple[int, int]]:

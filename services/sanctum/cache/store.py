@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import files
-from .pages import Page, Rung, cut_page, join_pages, page_bounds, page_keys, rung_key
+from .pages import Page, Record, Rung, cut_page, join_pages, page_bounds, page_keys, rung_key
 from .radix import RadixTree, common_prefix
 
 log = logging.getLogger("sanctum.cache")
@@ -83,21 +83,6 @@ class ResumePlan:
     kv: list[tuple] = field(default_factory=list)  # per attention layer, sliced to resumed_at
     rungs: dict[int, list[tuple]] = field(default_factory=dict)  # positions <= resumed_at
     taps: mx.array | None = None  # [resumed_at, n_taps * H]
-
-
-@dataclass
-class Record:
-    """A stored entry: its tokens and the keys of the pages and rungs it references."""
-
-    entry_id: str
-    model_key: str
-    kv_mode: str
-    tokens: np.ndarray  # [T] int32
-    prompt_len: int  # T when unknown
-    created: float
-    has_taps: bool
-    pages: list[str]  # page keys, in token order
-    rungs: dict[int, str]  # position -> rung key
 
 
 class PromptStore:
