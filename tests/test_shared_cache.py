@@ -307,3 +307,13 @@ def test_choose_rungs_within_a_byte_budget():
     assert set(choose_rungs(*args)) == {100, 110, 120, 80}
     assert set(choose_rungs(*args, max_bytes=2 * 176)) == {100, 110}
     assert set(choose_rungs(*args, max_bytes=1)) == {100}
+
+
+def test_putting_an_entry_again_replaces_it():
+    store = PromptStore(1 << 30)
+    e = synthetic(list(range(1, 40)), rungs=(20, 39))
+    store.put(e)
+    size = store.nbytes
+    store.put(e)  # the same id
+    assert len(store) == 1 and store.nbytes == size
+    check_consistent(store)

@@ -220,6 +220,8 @@ class PromptStore:
         with self._lock:
             if not entry.entry_id:
                 entry.entry_id = f"{int(time.time() * 1000):x}-{os.getpid():x}-{next(self._ids):x}"
+            elif entry.entry_id in self._records:  # stored again: the new one replaces it
+                self._remove(entry.entry_id, counted=False)
             rec = Record(
                 entry.entry_id,
                 entry.model_key,
