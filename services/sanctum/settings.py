@@ -99,6 +99,9 @@ class CacheSettings:
     """The prompt cache / ladder store."""
 
     ladder_depth: int = var("SANCTUM_MLX_SSM_LADDER", 4, int)
+    # rung bytes per conversation (the latest entry's own rungs and those it adopts from the
+    # turns before it); 0: the entry's own rungs and two more
+    ladder_bytes: int = var("SANCTUM_MLX_SSM_LADDER_BYTES", 0, int)
     max_bytes: int = var("SANCTUM_CACHE_BYTES", 2 << 30, int)
     directory: str | None = var("SANCTUM_CACHE_DIR")  # None: in memory only
 

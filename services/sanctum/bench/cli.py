@@ -27,6 +27,9 @@ def register(sub) -> None:
     m.add_argument("--turns", type=int, default=8)
     m.add_argument("--max-tokens", type=int, default=48)
     m.add_argument("--ladder", type=int, help="ladder depth (default SANCTUM_MLX_SSM_LADDER or 4)")
+    m.add_argument(
+        "--branch", action="store_true", help="then edit the middle turn and resume from the cache"
+    )
     m.add_argument("--json", action="store_true")
     from .isolation import add_parser as add_isolation
 
@@ -53,11 +56,13 @@ def register(sub) -> None:
     r.add_argument("--round-tokens", type=int, default=6)
     r.add_argument("--lengths", default="256,1024,4096")
     r.add_argument("--json", action="store_true")
+    from .cachesize import add_parser as add_cache_size
     from .cuda import add_parser as add_cuda
     from .seed import add_parser as add_seed
 
     add_seed(bsub)
     add_cuda(bsub)
+    add_cache_size(bsub)
     b.set_defaults(func=main)
 
 
@@ -89,6 +94,13 @@ def seed(args) -> dict:
     return run(args)
 
 
+def cache_size(args) -> list[dict]:
+    """Prompt-cache bytes per conversation at the seed's shapes (bench/cachesize.py)."""
+    from .cachesize import run
+
+    return run(args)
+
+
 def cuda(args) -> dict:
     """The CUDA-only paths checked and timed (bench/cuda.py)."""
     from .cuda import run
@@ -106,6 +118,7 @@ BENCHES = {
     "http": http,
     "seed": seed,
     "cuda": cuda,
+    "cache-size": cache_size,
 }
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
+
 
 def _code_snippets(count: int, chars: int = 900) -> list[str]:
     """Deterministic user material: slices of the standard library's own source."""
@@ -19,6 +21,27 @@ def _code_snippets(count: int, chars: int = 900) -> list[str]:
         if len(out) == count:
             break
     return out
+
+
+def cache_bytes(store) -> dict:
+    """The prompt cache's bytes now: all entries together, and its longest entry alone."""
+    entries = store.listing()
+    alone = max(entries, key=lambda e: e["num_tokens"])["nbytes"] if entries else 0
+    return {
+        "entries": len(entries),
+        "cache_MiB": round(store.nbytes / 2**20, 3),
+        "longest_MiB": round(alone / 2**20, 3),
+        "ratio": round(store.nbytes / alone, 3) if alone else 0.0,
+        **{k: round(v / 2**20, 3) for k, v in _by_kind(store).items()},
+    }
+
+
+def _by_kind(store) -> dict:
+    """KV, taps and rung MiB, and of those the bytes more than one entry shares."""
+    a = store.accounting()
+    return {
+        f"{k}_MiB": a[f"{k}_bytes"] for k in ("kv", "taps", "rung", "shared") if f"{k}_bytes" in a
+    }
 
 
 def multiturn(args) -> list[dict]:
@@ -36,48 +59,77 @@ def multiturn(args) -> list[dict]:
     settings = engine_settings(**model_flags(args))
     target, drafter = load_models(settings)
     cache = cache_settings(ladder=args.ladder)
+    store = PromptStore(cache.max_bytes, ladder_bytes=cache.ladder_bytes)
     verifier = Verifier(
         target,
         drafter,
         LocalDraftPeer(drafter) if drafter else None,
-        PromptStore(cache.max_bytes),
+        store,
         cache.ladder_depth,
         settings.kv_mode,
         settings.block_size,
+        ladder_bytes=cache.ladder_bytes,
     )
     messages = [{"role": "system", "content": "You are a careful Python reviewer."}]
+
+    def ask(msgs, use_cache, seed):
+        req = GenerateRequest(
+            messages=tuple(msgs), max_tokens=args.max_tokens, use_cache=use_cache, seed=seed
+        )
+        chunks = list(verifier.generate(req))
+        return "".join(c.text for c in chunks), chunks[-1].usage
+
+    def row(turn, msgs, seed) -> tuple[str, dict]:
+        cold_text, cold = ask(msgs, False, seed)
+        text, warm = ask(msgs, True, seed)
+        assert text == cold_text, "a resumed request must equal the cold one"
+        out = {
+            "turn": turn,
+            "prompt_tokens": warm.prompt_tokens,
+            "requested_lcp": warm.requested_lcp,
+            "resumed_at": warm.resumed_at,
+            "prefix_cached": warm.cached_tokens,
+            "cache_hit_ratio": warm.cache_hit_ratio,
+            "tau": round(warm.tau, 3),
+            "ttft_warm_s": warm.ttft_s,
+            "ttft_cold_s": cold.ttft_s,
+            "kv": warm.kv,
+        }
+        return text, {**out, **cache_bytes(store)}
+
     rows = []
     for turn, snippet in enumerate(_code_snippets(args.turns), start=1):
         messages.append(
             {"role": "user", "content": f"Review this code:\n```python\n{snippet}\n```"}
         )
-
-        def ask(use_cache, seed=turn):
-            req = GenerateRequest(
-                messages=tuple(messages), max_tokens=args.max_tokens, use_cache=use_cache, seed=seed
-            )
-            chunks = list(verifier.generate(req))
-            return "".join(c.text for c in chunks), chunks[-1].usage
-
-        cold_text, cold = ask(use_cache=False)
-        text, warm = ask(use_cache=True)
-        assert text == cold_text, "a resumed request must equal the cold one"
-        rows.append(
-            {
-                "turn": turn,
-                "prompt_tokens": warm.prompt_tokens,
-                "requested_lcp": warm.requested_lcp,
-                "resumed_at": warm.resumed_at,
-                "prefix_cached": warm.cached_tokens,
-                "cache_hit_ratio": warm.cache_hit_ratio,
-                "tau": round(warm.tau, 3),
-                "ttft_warm_s": warm.ttft_s,
-                "ttft_cold_s": cold.ttft_s,
-                "kv": warm.kv,
-            }
-        )
+        text, r = row(turn, messages, turn)
+        rows.append(r)
         messages.append({"role": "assistant", "content": text})
+    if getattr(args, "branch", False):
+        rows.append(branch(args, verifier, store, messages, row))
     return rows
+
+
+def branch(args, verifier, store, messages: list[dict], row) -> dict:
+    """Edit an earlier turn's user message (the middle one) and ask again: the resume must
+    start at the deepest rung at or before the edit that the cache still holds."""
+    from ..serving.requests import GenerateRequest
+
+    edited = max(1, args.turns // 2)
+    index = 2 * edited - 1  # [system, user 1, assistant 1, user 2, ...]
+    msgs = [dict(m) for m in messages[: index + 1]]
+    msgs[index]["content"] = msgs[index]["content"].replace("Review this code", "Explain this code")
+    prompt, _ = verifier.tokenize(GenerateRequest(messages=tuple(msgs)))
+    key = verifier.model_key(verifier.kv_mode)
+    deepest = 0  # what the cache offers at or before the edit, looked at before asking
+    for e in store.entries(key):
+        n = min(len(e.tokens), len(prompt))
+        same = np.flatnonzero(e.tokens[:n] != np.asarray(prompt[:n], dtype=np.int32))
+        edit = int(same[0]) if same.size else n
+        deepest = max([deepest, *(p for p in e.rungs if p <= min(edit, len(prompt) - 1))])
+    _, r = row(f"edit{edited}", msgs, 1000 + edited)
+    assert r["resumed_at"] == deepest, (r["resumed_at"], deepest)
+    return {**r, "turn": f"edit{edited}@{r['requested_lcp']}->rung{deepest}"}
 
 
 def reencode(args) -> dict:

@@ -46,23 +46,35 @@ def choose_rungs(
     captured: dict,
     inherited: dict,
     next_turn_end: int | None = None,
+    max_bytes: int = 0,
 ) -> dict:
     """Pick at most `depth` rungs for a new entry from what prefill captured, what the resumed
     entry had below the resume point, and the end-of-completion state (`captured[end]`).
     First the prompt boundary, then where the next turn's prefix is expected to end inside the
-    completion (when the reply's text re-encodes differently), then the end."""
+    completion (when the reply's text re-encodes differently), then the end. With `max_bytes`
+    (> 0), rungs past the first stop being added once their bytes would exceed it."""
     pool = {**inherited, **captured}
     order = [prompt_len, *([next_turn_end] if next_turn_end is not None else []), end]
     order += sorted((p for p in message_starts if p in pool), reverse=True)
     order += sorted((p for p in inherited if p not in order), reverse=True)
     order += sorted((p for p in pool if p not in order), reverse=True)
     chosen: dict = {}
+    used = 0
     for p in order:
         if len(chosen) >= max(depth, 1):
             break
         if p in pool and p not in chosen and 0 < p <= end:
+            size = rung_bytes(pool[p])
+            if chosen and max_bytes > 0 and used + size > max_bytes:
+                continue
             chosen[p] = pool[p]
+            used += size
     return chosen
+
+
+def rung_bytes(states) -> int:
+    """Bytes of one rung's (conv, state) pairs."""
+    return sum(getattr(a, "nbytes", 0) for pair in states for a in pair)
 
 
 def attention_caches(target, cache: list) -> list:
@@ -104,6 +116,7 @@ def make_entry(
     tokens: list[int],
     rungs: Rungs,
     taps: mx.array | None,
+    prompt_len: int = 0,
 ) -> CacheEntry:
     """A live sequence's cache as a new entry: its KV once, the chosen rungs, its taps."""
     return CacheEntry(
@@ -113,4 +126,5 @@ def make_entry(
         kv=snapshot_kv(target, cache),
         rungs=rungs,
         taps=taps,
+        prompt_len=prompt_len,
     )

@@ -1,17 +1,29 @@
 """The prompt cache: saved target caches keyed by token ids, per model and KV format.
 
-An entry holds the attention KV of all its tokens ONCE (trimmable to any prefix), the recurrent
-(GDN) state only at its ladder rungs, and the drafter's context taps. Lookup finds the entry with
-the longest common prefix through a radix tree and plans a resume from its deepest rung at or
-before that prefix. Eviction is LRU by bytes. With a directory, entries persist as safetensors
-(tensors) + msgpack (metadata); damaged files are skipped with a warning.
+An entry is a token sequence that references shared storage (cache/pages.py): the pages of its
+attention KV and drafter taps, and its ladder rungs (the recurrent state at chosen positions),
+each stored once however many entries hold the same prefix. Lookup finds the entry with the
+longest common prefix through a radix tree and plans a resume from its deepest rung at or
+before that prefix.
+
+A conversation's next turn extends the entry it resumed from: once saved, that older entry is
+superseded (everything of it a later turn can reach is in the new one) and goes, and the new
+entry adopts the old one's rungs that it lacks, as far as the ladder's byte budget allows
+(`ladder_bytes`: by default two rungs beyond the entry's own), spread so that an edit of an
+earlier turn finds a rung close before it. Eviction is LRU over entries and frees only the pages
+and rungs that no remaining entry references.
+
+With a directory, each entry writes one safetensors file holding the pages and rungs it was the
+first to store, and then its msgpack metadata naming every page and rung it references and the
+files (with their checksums) that hold them; the metadata comes last, so an entry is durable
+before it is visible. A file goes when none of its pages and rungs is referenced any more, so a
+restart reloads the sharing as it was. Damaged files are skipped with a warning.
 
 Arrays are MLX arrays in this process; the store never runs a model.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
@@ -22,22 +34,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import msgpack
 import numpy as np
 
-from .layout import EntryLayout, flatten, unflatten
-from .radix import RadixTree
+from . import files
+from .pages import Page, Record, Rung, cut_page, join_pages, page_bounds, page_keys, rung_key
+from .radix import RadixTree, common_prefix
 
 log = logging.getLogger("sanctum.cache")
-FORMAT_VERSION = 1
-PRIVATE_FILE = 0o600  # entries and their metadata: only the serving user may read them
+EXTRA_RUNGS = 2  # default ladder budget: the entry's own rungs and this many of its ancestors'
 
 
 @dataclass
 class CacheEntry:
-    """A saved prompt cache. Shapes: KV per attention layer [1, kv_heads, T, head_dim] (fp16 mode:
-    (keys, values); q8 mode: mlx-lm's quantized triples, flattened to six arrays); rung states per
-    GDN layer (conv [1, K-1, conv_dim], state [1, Hv, Dv, Dk]); taps [T, n_taps * H]."""
+    """A saved prompt cache, whole. Shapes: KV per attention layer [1, kv_heads, T, head_dim]
+    (fp16 mode: (keys, values); q8 mode: mlx-lm's quantized triples, flattened to six arrays);
+    rung states per GDN layer (conv [1, K-1, conv_dim], state [1, Hv, Dv, Dk]); taps
+    [T, n_taps * H]."""
 
     model_key: str  # which model (and KV format) these tensors belong to
     kv_mode: str  # "fp16" | "q8"
@@ -49,6 +61,7 @@ class CacheEntry:
     taps: mx.array | None = None
     entry_id: str = ""
     created: float = field(default_factory=time.time)
+    prompt_len: int = 0  # tokens of the request's prompt (0: unknown, taken as all of them)
 
     @property
     def nbytes(self) -> int:
@@ -71,32 +84,31 @@ class ResumePlan:
     rungs: dict[int, list[tuple]] = field(default_factory=dict)  # positions <= resumed_at
     taps: mx.array | None = None  # [resumed_at, n_taps * H]
 
-    @classmethod
-    def from_entry(cls, entry: CacheEntry, requested_lcp: int, resumed_at: int) -> ResumePlan:
-        n = resumed_at
-        # slices are fresh array objects: a live cache writing into them never writes the entry
-        kv = [tuple(a[..., :n, :] for a in layer) for layer in entry.kv]
-        taps = entry.taps[:n] if entry.taps is not None and entry.taps.shape[0] >= n else None
-        rungs = {p: s for p, s in entry.rungs.items() if p <= n}
-        return cls(requested_lcp, n, entry.entry_id, kv, rungs, taps)
-
 
 class PromptStore:
-    """Entries in memory (LRU by bytes), optionally persisted in `directory`."""
+    """Entries over shared pages and rungs (LRU by bytes), optionally persisted in `directory`."""
 
-    def __init__(self, max_bytes: int = 2 << 30, directory: str | Path | None = None):
+    def __init__(
+        self,
+        max_bytes: int = 2 << 30,
+        directory: str | Path | None = None,
+        ladder_bytes: int = 0,
+    ):
         self.max_bytes = int(max_bytes)
+        self.ladder_bytes = int(ladder_bytes)  # rung bytes per conversation; 0: EXTRA_RUNGS
         self.directory = Path(directory) if directory else None
-        self._entries: OrderedDict[str, CacheEntry] = OrderedDict()  # LRU order, oldest first
+        self._records: OrderedDict[str, Record] = OrderedDict()  # LRU order, oldest first
+        self._pages: dict[str, Page] = {}
+        self._rungs: dict[str, Rung] = {}
         self._trees: dict[str, RadixTree] = {}
         self._bytes = 0
+        self._file_refs: dict[str, int] = {}  # file id -> live pages and rungs it holds
+        self._digests: dict[str, str] = {}  # file id -> checksum
         self._ids = itertools.count()
         self._lock = threading.RLock()
-        self.stats = {"lookups": 0, "hits": 0, "evictions": 0, "skipped_files": 0}
+        self.stats = {"lookups": 0, "hits": 0, "evictions": 0, "skipped_files": 0, "superseded": 0}
         if self.directory is not None:
-            # private: the entries hold the conversations in clear
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(self.directory, 0o700)
+            files.make_private_dir(self.directory)
             self._load_directory()
 
     # ---- queries -----------------------------------------------------------------------
@@ -105,7 +117,7 @@ class PromptStore:
         return self._bytes
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._records)
 
     def plan(self, model_key: str, prompt: list[int] | np.ndarray) -> ResumePlan:
         """The best resume point for `prompt`: the deepest rung at or before the common prefix,
@@ -116,26 +128,80 @@ class PromptStore:
             tree = self._trees.get(model_key)
             best, best_rung, best_lcp = None, 0, 0
             for entry_id, lcp in (tree.match(prompt) if tree else {}).items():
-                entry = self._entries[entry_id]
+                rec = self._records[entry_id]
                 limit = min(lcp, len(prompt) - 1)
-                rung = max((p for p in entry.rungs if 0 < p <= limit), default=0)
+                rung = max((p for p in rec.rungs if 0 < p <= limit), default=0)
                 best_lcp = max(best_lcp, lcp)
                 if rung > best_rung:
-                    best, best_rung = entry, rung
+                    best, best_rung = rec, rung
             if best is None:
                 return ResumePlan(best_lcp, 0)
-            self._entries.move_to_end(best.entry_id)
+            self._records.move_to_end(best.entry_id)
             self.stats["hits"] += 1
-            return ResumePlan.from_entry(best, best_lcp, best_rung)
+            n = best_rung
+            kv, taps = self._join(best, n)
+            rungs = {p: self._rungs[k].states for p, k in best.rungs.items() if p <= n}
+            return ResumePlan(best_lcp, n, best.entry_id, kv, rungs, taps)
 
     def entries(self, model_key: str | None = None) -> list[CacheEntry]:
+        """The entries, each assembled whole (its own copy of the shared KV and taps)."""
         with self._lock:
-            return [e for e in self._entries.values() if model_key in (None, e.model_key)]
+            return [
+                self._entry(r) for r in self._records.values() if model_key in (None, r.model_key)
+            ]
+
+    def listing(self, model_key: str | None = None) -> list[dict]:
+        """Per entry: its figures and bytes by kind, alone and shared with other entries."""
+        with self._lock:
+            out = []
+            for r in self._records.values():
+                if model_key not in (None, r.model_key):
+                    continue
+                pages = [self._pages[k] for k in r.pages]
+                rungs = [self._rungs[k] for k in r.rungs.values()]
+                kv, taps = sum(p.kv_bytes for p in pages), sum(p.taps_bytes for p in pages)
+                rung_bytes = sum(g.nbytes for g in rungs)
+                shared = sum(b.nbytes for b in [*pages, *rungs] if b.refs > 1)
+                out.append(
+                    dict(
+                        entry_id=r.entry_id,
+                        model_key=r.model_key,
+                        kv_mode=r.kv_mode,
+                        num_tokens=len(r.tokens),
+                        prompt_len=r.prompt_len,
+                        rungs=sorted(r.rungs),
+                        nbytes=kv + taps + rung_bytes + r.tokens.nbytes,
+                        kv_bytes=kv,
+                        taps_bytes=taps,
+                        rung_bytes=rung_bytes,
+                        shared_bytes=shared,
+                        created=r.created,
+                    )
+                )
+            return out
+
+    def accounting(self) -> dict:
+        """The bytes held, by kind; `shared_bytes`: of pages and rungs more than one entry
+        references; `logical_bytes`: what the entries would take each stored alone."""
+        with self._lock:
+            kv = sum(p.kv_bytes for p in self._pages.values())
+            taps = sum(p.taps_bytes for p in self._pages.values())
+            rungs = sum(g.nbytes for g in self._rungs.values())
+            blobs = [*self._pages.values(), *self._rungs.values()]
+            tokens = sum(r.tokens.nbytes for r in self._records.values())
+            return dict(
+                kv_bytes=kv,
+                taps_bytes=taps,
+                rung_bytes=rungs,
+                token_bytes=tokens,
+                shared_bytes=sum(b.nbytes for b in blobs if b.refs > 1),
+                logical_bytes=tokens + sum(b.nbytes * b.refs for b in blobs),
+            )
 
     # ---- updates -----------------------------------------------------------------------
     def put(self, entry: CacheEntry) -> str | None:
-        """Insert an entry (evicting least recently used ones to fit); returns its id, or None
-        when it alone is larger than the store."""
+        """Insert an entry (superseding the older turn it extends, evicting least recently used
+        entries to fit); returns its id, or None when it alone is larger than the store."""
         size = entry.nbytes
         if size > self.max_bytes:
             log.warning(
@@ -149,135 +215,194 @@ class PromptStore:
             [a for s in entry.rungs.values() for pair in s for a in pair],
             entry.taps if entry.taps is not None else [],
         )
-        if not entry.entry_id:
-            with self._lock:
-                entry.entry_id = f"{int(time.time() * 1000):x}-{os.getpid():x}-{next(self._ids):x}"
-        if self.directory is not None:
-            self._write(entry)  # durable before it is visible: a crash never loses a listed entry
+        tokens = np.asarray(entry.tokens, dtype=np.int32)
+        taps = entry.taps if entry.taps is not None and entry.taps.shape[0] == len(tokens) else None
         with self._lock:
-            self._drop_duplicates(entry)
-            while self._bytes + size > self.max_bytes and self._entries:
-                self._evict(next(iter(self._entries)))
-            self._insert(entry)
+            if not entry.entry_id:
+                entry.entry_id = f"{int(time.time() * 1000):x}-{os.getpid():x}-{next(self._ids):x}"
+            elif entry.entry_id in self._records:  # stored again: the new one replaces it
+                self._remove(entry.entry_id, counted=False)
+            rec = Record(
+                entry.entry_id,
+                entry.model_key,
+                entry.kv_mode,
+                tokens,
+                entry.prompt_len or len(tokens),
+                entry.created,
+                taps is not None,
+                page_keys(entry.model_key, taps is not None, tokens),
+                {p: rung_key(entry.model_key, tokens, p) for p in entry.rungs},
+            )
+            new_pages: dict[str, Page] = {}
+            for (start, end), key in zip(page_bounds(len(tokens)), rec.pages, strict=True):
+                if key not in self._pages and key not in new_pages:
+                    new_pages[key] = cut_page(entry.kv, taps, start, end)
+            new_rungs = {
+                k: Rung(p, entry.rungs[p]) for p, k in rec.rungs.items() if k not in self._rungs
+            }
+            superseded = self._superseded(rec)
+            self._adopt(rec, superseded, new_rungs)
+            if self.directory is not None:  # durable before it is visible
+                self._write(rec, new_pages, new_rungs)
+            self._pages.update(new_pages)
+            self._rungs.update(new_rungs)
+            self._insert(rec)
+            for old in superseded:
+                self.stats["superseded"] += 1
+                self._remove(old, counted=False)
+            while self._bytes > self.max_bytes and len(self._records) > 1:
+                oldest = next(iter(self._records))
+                self._remove(oldest if oldest != rec.entry_id else list(self._records)[1])
         return entry.entry_id
 
     def clear(self, model_key: str | None = None) -> int:
         with self._lock:
-            ids = [e.entry_id for e in self.entries(model_key)]
+            ids = [r.entry_id for r in self._records.values() if model_key in (None, r.model_key)]
             for entry_id in ids:
-                self._evict(entry_id, counted=False)
+                self._remove(entry_id, counted=False)
             return len(ids)
 
-    def _insert(self, entry: CacheEntry) -> None:
-        self._entries[entry.entry_id] = entry
-        self._trees.setdefault(entry.model_key, RadixTree()).insert(entry.entry_id, entry.tokens)
-        self._bytes += entry.nbytes
+    # ---- internals ---------------------------------------------------------------------
+    def _join(self, rec: Record, n: int):
+        count = len(page_bounds(n))
+        kv, taps = join_pages([self._pages[k] for k in rec.pages[:count]], n)
+        return kv, taps if rec.has_taps else None
 
-    def _drop_duplicates(self, entry: CacheEntry) -> None:
-        """An older entry with the very same tokens is superseded (its rungs were inherited)."""
-        tree = self._trees.get(entry.model_key)
-        if tree is None:
-            return
-        for other_id, lcp in tree.match(entry.tokens).items():
-            other = self._entries[other_id]
-            if lcp == len(other.tokens) == len(entry.tokens):
-                self._evict(other_id, counted=False)
-
-    def _evict(self, entry_id: str, counted: bool = True) -> None:
-        entry = self._entries.pop(entry_id)
-        self._trees[entry.model_key].remove(entry_id, entry.tokens)
-        self._bytes -= entry.nbytes
-        if counted:
-            self.stats["evictions"] += 1
-        if self.directory is not None:
-            for suffix in (".msgpack", ".safetensors"):
-                (self.directory / f"{entry_id}{suffix}").unlink(missing_ok=True)
-
-    # ---- persistence -------------------------------------------------------------------
-    def _write(self, entry: CacheEntry) -> None:
-        """safetensors for tensors, msgpack for metadata; each written to a temp name, then
-        renamed, the metadata last (an entry without metadata is ignored at load)."""
-        layout, arrays = flatten(entry.kv, entry.rungs, entry.taps)
-        tensors = dict(zip(layout.names(), arrays, strict=True))
-        base = self.directory / entry.entry_id
-        tmp = base.with_suffix(".tmp.safetensors")
-        mx.save_safetensors(str(tmp), tensors)
-        os.chmod(tmp, PRIVATE_FILE)
-        digest = _file_digest(tmp)
-        os.replace(tmp, base.with_suffix(".safetensors"))
-        meta = {
-            "format": FORMAT_VERSION,
-            "model_key": entry.model_key,
-            "kv_mode": entry.kv_mode,
-            "tokens": entry.tokens.astype(np.int32).tobytes(),
-            "kv_layers": list(layout.kv_layers),
-            "rungs": list(layout.rungs),
-            "gdn_layers": layout.gdn_layers,
-            "has_taps": layout.has_taps,
-            "created": entry.created,
-            "digest": digest,
-        }
-        tmp_meta = base.with_suffix(".tmp.msgpack")
-        fd = os.open(tmp_meta, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
-        with os.fdopen(fd, "wb") as f:
-            f.write(msgpack.packb(meta))
-        os.replace(tmp_meta, base.with_suffix(".msgpack"))
-
-    def _load_directory(self) -> None:
-        loaded = []
-        for meta_file in sorted(self.directory.glob("*.msgpack")):
-            if ".tmp." in meta_file.name:
-                continue
-            try:
-                loaded.append(self._read(meta_file))
-            except Exception as exc:
-                self.stats["skipped_files"] += 1
-                log.warning("prompt cache: skipping %s: %s", meta_file.name, exc)
-        for entry in sorted(loaded, key=lambda e: e.created):
-            if self._bytes + entry.nbytes <= self.max_bytes:
-                self._insert(entry)
-        for kept in self.directory.iterdir():  # files an older version wrote readable by all
-            if kept.is_file() and kept.stat().st_mode & 0o077:
-                os.chmod(kept, PRIVATE_FILE)
-        for stray in self.directory.glob("*.tmp.*"):
-            stray.unlink(missing_ok=True)
-
-    def _read(self, meta_file: Path) -> CacheEntry:
-        meta = msgpack.unpackb(meta_file.read_bytes())
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-            raise ValueError("unknown metadata format")
-        tensor_file = meta_file.with_suffix(".safetensors")
-        if _file_digest(tensor_file) != meta["digest"]:
-            raise ValueError("tensor file does not match its checksum (truncated or corrupt)")
-        tensors = mx.load(str(tensor_file))
-        tokens = np.frombuffer(meta["tokens"], dtype=np.int32).copy()
-        layout = EntryLayout(
-            tuple(meta["kv_layers"]),
-            tuple(int(p) for p in meta["rungs"]),
-            meta["gdn_layers"],
-            meta["has_taps"],
-        )
-        kv, rungs, taps = unflatten(layout, [tensors[name] for name in layout.names()])
-        for layer in kv:
-            if any(a.shape[-2] != len(tokens) for a in layer if a.ndim == 4):
-                raise ValueError("KV length does not match the token count")
-        if any(p > len(tokens) for p in rungs):
-            raise ValueError("a rung lies beyond the entry's tokens")
+    def _entry(self, rec: Record) -> CacheEntry:
+        kv, taps = self._join(rec, len(rec.tokens))
+        rungs = {p: self._rungs[k].states for p, k in rec.rungs.items()}
         return CacheEntry(
-            meta["model_key"],
-            meta["kv_mode"],
-            tokens,
+            rec.model_key,
+            rec.kv_mode,
+            rec.tokens,
             kv,
             rungs,
             taps,
-            entry_id=meta_file.stem,
-            created=float(meta["created"]),
+            rec.entry_id,
+            rec.created,
+            rec.prompt_len,
         )
 
+    def _superseded(self, rec: Record) -> list[str]:
+        """Older entries the new one continues: it shares all of their prompt and its own
+        prompt goes past the shared part (the next turn of their conversation), or it holds
+        all of their tokens. What they add beyond the shared part a later turn cannot reach."""
+        tree = self._trees.get(rec.model_key)
+        out = []
+        for other_id, lcp in (tree.match(rec.tokens) if tree else {}).items():
+            other = self._records[other_id]
+            if lcp >= other.prompt_len and (lcp == len(other.tokens) or rec.prompt_len > lcp):
+                out.append(other_id)
+        return out
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    def _adopt(self, rec: Record, superseded: list[str], new_rungs: dict[str, Rung]) -> None:
+        """Add to `rec` the superseded entries' rungs within the shared prefix that it lacks,
+        greedily by how much recomputation each saves an edit at a uniformly random position,
+        while the rung bytes stay within the ladder budget."""
+        pool = {**self._rungs, **new_rungs}
+        own = sum(pool[k].nbytes for k in rec.rungs.values())
+        candidates: dict[int, str] = {}
+        for other_id in superseded:
+            other = self._records[other_id]
+            lcp = common_prefix(other.tokens, rec.tokens)
+            for p, k in other.rungs.items():
+                if p <= lcp and p not in rec.rungs:
+                    candidates[p] = k
+        if not candidates:
+            return
+        one = max(pool[k].nbytes for k in candidates.values())
+        budget = self.ladder_bytes or own + EXTRA_RUNGS * one
+        while candidates and own + one <= budget:
+            kept = sorted([0, *rec.rungs, len(rec.tokens)])
+            p = max(candidates, key=lambda c, kept=kept: _saving(kept, c))
+            rec.rungs[p] = candidates.pop(p)
+            own += pool[rec.rungs[p]].nbytes
+
+    def _insert(self, rec: Record) -> None:
+        self._records[rec.entry_id] = rec
+        self._trees.setdefault(rec.model_key, RadixTree()).insert(rec.entry_id, rec.tokens)
+        self._bytes += rec.tokens.nbytes
+        for blobs, keys in ((self._pages, rec.pages), (self._rungs, rec.rungs.values())):
+            for k in set(keys):
+                blob = blobs[k]
+                if blob.refs == 0:
+                    self._bytes += blob.nbytes
+                    if blob.file:
+                        self._file_refs[blob.file] = self._file_refs.get(blob.file, 0) + 1
+                blob.refs += 1
+
+    def _remove(self, entry_id: str, counted: bool = True) -> None:
+        rec = self._records.pop(entry_id)
+        self._trees[rec.model_key].remove(entry_id, rec.tokens)
+        self._bytes -= rec.tokens.nbytes
+        if counted:
+            self.stats["evictions"] += 1
+        if self.directory is not None:
+            (self.directory / f"{entry_id}.msgpack").unlink(missing_ok=True)
+        for blobs, keys in ((self._pages, rec.pages), (self._rungs, rec.rungs.values())):
+            for k in set(keys):
+                blob = blobs[k]
+                blob.refs -= 1
+                if blob.refs == 0:  # no entry needs it any more
+                    del blobs[k]
+                    self._bytes -= blob.nbytes
+                    if blob.file:
+                        self._release_file(blob.file)
+
+    def _release_file(self, file_id: str) -> None:
+        self._file_refs[file_id] -= 1
+        if self._file_refs[file_id] == 0:
+            del self._file_refs[file_id]
+            self._digests.pop(file_id, None)
+            if self.directory is not None:
+                (self.directory / f"{file_id}.safetensors").unlink(missing_ok=True)
+
+    # ---- persistence -------------------------------------------------------------------
+    def _write(self, rec: Record, new_pages: dict[str, Page], new_rungs: dict[str, Rung]) -> None:
+        if new_pages or new_rungs:
+            digest = files.write_blobs(self.directory, rec.entry_id, new_pages, new_rungs)
+            self._digests[rec.entry_id] = digest
+            for blob in [*new_pages.values(), *new_rungs.values()]:
+                blob.file = rec.entry_id
+        pool_pages, pool_rungs = {**self._pages, **new_pages}, {**self._rungs, **new_rungs}
+        page_files = [pool_pages[k].file for k in rec.pages]
+        rung_files = {p: pool_rungs[k].file for p, k in rec.rungs.items()}
+        some_page = pool_pages[rec.pages[0]] if rec.pages else None
+        some_rung = next(iter(pool_rungs[k] for k in rec.rungs.values()), None)
+        files.write_meta(
+            self.directory,
+            rec,
+            page_files,
+            rung_files,
+            {f: self._digests[f] for f in {*page_files, *rung_files.values()}},
+            [len(layer) for layer in some_page.kv] if some_page else [],
+            len(some_rung.states) if some_rung else 0,
+        )
+
+    def _load_directory(self) -> None:
+        metas = files.read_metas(self.directory, self.stats, log)
+        tensors = files.TensorFiles(self.directory)
+        for meta in sorted(metas, key=lambda m: m["created"]):
+            try:
+                rec, pages, rungs = files.record_from_meta(meta, tensors, self._pages, self._rungs)
+            except Exception as exc:
+                self.stats["skipped_files"] += 1
+                log.warning("prompt cache: skipping %s: %s", meta["entry_id"], exc)
+                continue
+            extra = sum(b.nbytes for b in [*pages.values(), *rungs.values()])
+            if self._bytes + extra + rec.tokens.nbytes > self.max_bytes:
+                continue
+            self._pages.update(pages)
+            self._rungs.update(rungs)
+            for f in {*meta["page_files"], *meta["rung_files"]}:
+                self._digests[f] = meta["digests"][f]
+            self._insert(rec)
+        files.tidy(self.directory, keep=set(self._file_refs))
+
+
+def _saving(kept: list[int], p: int) -> int:
+    """Tokens of recomputation a rung at `p` saves, summed over edits at every position of the
+    gap of `kept` (rung positions, with 0 and the end) it falls in."""
+    lo = max(q for q in kept if q <= p)
+    hi = min((q for q in kept if q > p), default=p)
+    return (p - lo) * (hi - p)

@@ -145,7 +145,9 @@ class StoreActor:
         from ..cache.store import PromptStore
         from .store import StoreService
 
-        self.service = StoreService(PromptStore(cache.max_bytes, cache.directory))
+        self.service = StoreService(
+            PromptStore(cache.max_bytes, cache.directory, cache.ladder_bytes)
+        )
         log.info(
             "ladder store: %d entries loaded from %s", len(self.service.store), cache.directory
         )

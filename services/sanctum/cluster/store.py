@@ -62,6 +62,7 @@ class StoreService:
             rungs,
             taps,
             created=h.created or time.time(),
+            prompt_len=h.prompt_len,
         )
         return self.store.put(entry) or ""
 
@@ -165,5 +166,6 @@ class StoreProxy:
             tokens=entry.tokens.tolist(),
             layout=layout,
             created=entry.created,
+            prompt_len=entry.prompt_len,
         )
         self.handle.put.remote(header.SerializeToString(), ray.put(host_copies(arrays)))

@@ -97,6 +97,7 @@ def make_verifier(
         e.kv_mode,
         e.block_size,
         settings.max_tokens_limit,
+        settings.cache.ladder_bytes,
     )
 
 
@@ -115,7 +116,9 @@ class InlineBackend:
         self.metrics = Metrics(self)
 
         def load():  # on the scheduler's thread, which then owns MLX
-            self.store = PromptStore(settings.cache.max_bytes, settings.cache.directory)
+            self.store = PromptStore(
+                settings.cache.max_bytes, settings.cache.directory, settings.cache.ladder_bytes
+            )
             return make_verifier(settings, self.store, round_delay=round_delay)
 
         self.scheduler = Scheduler.for_settings(load, settings)

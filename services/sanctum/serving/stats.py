@@ -22,6 +22,12 @@ class CacheStats:
     evictions: int = 0
     available: bool = False  # false while the store restarts (until the verifier sees it back)
     directory: str = ""
+    kv_bytes: int = 0
+    taps_bytes: int = 0
+    rung_bytes: int = 0
+    shared_bytes: int = 0  # in pages and rungs that more than one entry references
+    logical_bytes: int = 0  # what the entries would take each stored alone
+    superseded: int = 0  # entries dropped because a later turn extended them
 
 
 @dataclass(frozen=True)
@@ -31,8 +37,13 @@ class EntryInfo:
     kv_mode: str
     num_tokens: int
     rungs: list[int]
-    nbytes: int
+    nbytes: int  # the entry alone
     created: float
+    prompt_len: int = 0
+    kv_bytes: int = 0
+    taps_bytes: int = 0
+    rung_bytes: int = 0
+    shared_bytes: int = 0  # of nbytes, in pages and rungs other entries reference too
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,7 @@ def cache_stats(store: PromptStore | None) -> CacheStats:
     if store is None:
         return CacheStats(available=False)
     s = store.stats
+    a = store.accounting()
     return CacheStats(
         entries=len(store),
         bytes=store.nbytes,
@@ -124,14 +136,15 @@ def cache_stats(store: PromptStore | None) -> CacheStats:
         evictions=s["evictions"],
         available=True,
         directory=str(store.directory or ""),
+        kv_bytes=a["kv_bytes"],
+        taps_bytes=a["taps_bytes"],
+        rung_bytes=a["rung_bytes"],
+        shared_bytes=a["shared_bytes"],
+        logical_bytes=a["logical_bytes"],
+        superseded=s["superseded"],
     )
 
 
 def entry_infos(store: PromptStore, model_key: str = "") -> list[EntryInfo]:
     """The saved entries (of one model and KV format, or all)."""
-    return [
-        EntryInfo(
-            e.entry_id, e.model_key, e.kv_mode, len(e.tokens), sorted(e.rungs), e.nbytes, e.created
-        )
-        for e in store.entries(model_key or None)
-    ]
+    return [EntryInfo(**e) for e in store.listing(model_key or None)]

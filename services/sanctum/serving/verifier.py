@@ -150,11 +150,13 @@ class Verifier:
         kv_mode: str = "fp16",
         block_size: int | None = None,
         max_tokens_limit: int = 4096,
+        ladder_bytes: int = 0,
     ):
         self.target = target
         self.decoder = Decoder(target, drafter, peer, block_size)
         self.store = store
         self.ladder_depth = ladder_depth
+        self.ladder_bytes = ladder_bytes  # rung bytes per conversation (0: by depth alone)
         self.kv_mode = kv_mode
         self.limits = Limits(
             target.vocab_size,
@@ -349,13 +351,21 @@ class Verifier:
             captured,
             act.plan.rungs,
             next_turn_end,
+            self.ladder_bytes,
         )
         taps = seq.taps.all()
         if taps is not None and taps.shape[0] != end:
             taps = None  # incomplete history (e.g. resumed without taps): the drafter restarts cold
         kv = act.usage.kv
         entry = make_entry(
-            self.target, seq.cache, self.model_key(kv), kv, seq.cached_tokens, rungs, taps
+            self.target,
+            seq.cache,
+            self.model_key(kv),
+            kv,
+            seq.cached_tokens,
+            rungs,
+            taps,
+            len(act.prompt_ids),
         )
         self.store.put(entry)
 

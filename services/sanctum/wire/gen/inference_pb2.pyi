@@ -143,7 +143,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("entries", "bytes", "max_bytes", "lookups", "hits", "evictions", "available", "directory")
+    __slots__ = ("entries", "bytes", "max_bytes", "lookups", "hits", "evictions", "available", "directory", "kv_bytes", "taps_bytes", "rung_bytes", "shared_bytes", "logical_bytes", "superseded")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,12 @@ class CacheStats(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TAPS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RUNG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
     entries: int
     bytes: int
     max_bytes: int
@@ -160,7 +166,13 @@ class CacheStats(_message.Message):
     evictions: int
     available: bool
     directory: str
-    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., available: _Optional[bool] = ..., directory: _Optional[str] = ...) -> None: ...
+    kv_bytes: int
+    taps_bytes: int
+    rung_bytes: int
+    shared_bytes: int
+    logical_bytes: int
+    superseded: int
+    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., available: _Optional[bool] = ..., directory: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., taps_bytes: _Optional[int] = ..., rung_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., superseded: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("model", "drafter", "block_size", "kv", "mode", "active", "waiting", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "rounds", "drafted_tokens", "accepted_tokens", "cancelled", "rejected", "drafter_available", "transport", "cache", "draft_calls", "transport_ms_per_round", "transport_bytes_per_round", "drafter_compute_ms_per_round", "round_draft_ms", "round_verify_ms", "round_rollback_ms", "round_other_ms", "drafter_wait_ms_per_round", "overlapped_draft_calls")
@@ -231,7 +243,7 @@ class ListCacheRequest(_message.Message):
     def __init__(self, model_key: _Optional[str] = ...) -> None: ...
 
 class CacheEntryInfo(_message.Message):
-    __slots__ = ("entry_id", "model_key", "kv_mode", "num_tokens", "rungs", "nbytes", "created")
+    __slots__ = ("entry_id", "model_key", "kv_mode", "num_tokens", "rungs", "nbytes", "created", "prompt_len", "kv_bytes", "taps_bytes", "rung_bytes", "shared_bytes")
     ENTRY_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_KEY_FIELD_NUMBER: _ClassVar[int]
     KV_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +251,11 @@ class CacheEntryInfo(_message.Message):
     RUNGS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TAPS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RUNG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
     entry_id: str
     model_key: str
     kv_mode: str
@@ -246,7 +263,12 @@ class CacheEntryInfo(_message.Message):
     rungs: _containers.RepeatedScalarFieldContainer[int]
     nbytes: int
     created: float
-    def __init__(self, entry_id: _Optional[str] = ..., model_key: _Optional[str] = ..., kv_mode: _Optional[str] = ..., num_tokens: _Optional[int] = ..., rungs: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., created: _Optional[float] = ...) -> None: ...
+    prompt_len: int
+    kv_bytes: int
+    taps_bytes: int
+    rung_bytes: int
+    shared_bytes: int
+    def __init__(self, entry_id: _Optional[str] = ..., model_key: _Optional[str] = ..., kv_mode: _Optional[str] = ..., num_tokens: _Optional[int] = ..., rungs: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., created: _Optional[float] = ..., prompt_len: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., taps_bytes: _Optional[int] = ..., rung_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ...) -> None: ...
 
 class ListCacheResponse(_message.Message):
     __slots__ = ("entries",)

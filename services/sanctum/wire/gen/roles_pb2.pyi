@@ -193,15 +193,17 @@ class ResumePlanHeader(_message.Message):
     def __init__(self, requested_lcp: _Optional[int] = ..., resumed_at: _Optional[int] = ..., entry_id: _Optional[str] = ..., layout: _Optional[_Union[TensorLayout, _Mapping]] = ...) -> None: ...
 
 class EntryHeader(_message.Message):
-    __slots__ = ("model_key", "kv_mode", "tokens", "layout", "created")
+    __slots__ = ("model_key", "kv_mode", "tokens", "layout", "created", "prompt_len")
     MODEL_KEY_FIELD_NUMBER: _ClassVar[int]
     KV_MODE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     model_key: str
     kv_mode: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     layout: TensorLayout
     created: float
-    def __init__(self, model_key: _Optional[str] = ..., kv_mode: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[TensorLayout, _Mapping]] = ..., created: _Optional[float] = ...) -> None: ...
+    prompt_len: int
+    def __init__(self, model_key: _Optional[str] = ..., kv_mode: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[TensorLayout, _Mapping]] = ..., created: _Optional[float] = ..., prompt_len: _Optional[int] = ...) -> None: ...
