@@ -31,3 +31,41 @@ def make_pair(tiny_dir):
         return made[key]
 
     return _make
+
+
+@pytest.fixture(scope="module")
+def pair(make_pair):
+    """The hybrid target and DFlash drafter, as path strings."""
+    return tuple(str(p) for p in make_pair("hybrid", "dflash"))
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    """Target + full drafter in this process, and greedy references from the inline engine."""
+    from sanctum.engine.drafter import load_drafter
+    from sanctum.engine.speculative import generate
+    from sanctum.engine.target import load_target
+
+    target = load_target(pair[0])
+    drafter = load_drafter(pair[1], target)
+
+    def reference(prompt, max_tokens=24):
+        ids = target.tokenizer.encode(prompt, add_special_tokens=False)
+        steps = generate(target, ids, drafter=drafter, max_tokens=max_tokens)
+        return [t for s in steps for t in s.tokens]
+
+    return target, drafter, reference
+
+
+@pytest.fixture(scope="module")
+def backend(pair, tmp_path_factory):
+    """An inline backend over `pair` (2 active, 2 queued), shared by a module's servers."""
+    from sanctum.serving.inline import InlineBackend
+    from sanctum.settings import serve_settings
+
+    settings = serve_settings(pair[0], pair[1], max_active=2, max_queue=2,
+                              cache_dir=str(tmp_path_factory.mktemp("cache")), env={})  # fmt: skip
+    b = InlineBackend(settings)
+    b.ready(120)
+    yield b
+    b.close()

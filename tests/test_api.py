@@ -27,18 +27,11 @@ pytestmark = pytest.mark.slow
 
 ray = pytest.importorskip("ray")
 
+from helpers import PROMPTS, wait_for
 from sanctum.api.client import Client, make_request
 from sanctum.api.server import Server
 from sanctum.serving.inline import InlineBackend, RoundDelay
 from sanctum.settings import serve_settings
-
-PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:", "The quick brown fox",
-           "for i in range(10):", "# a comment", "x = [1, 2, 3]", "while True:"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def pair(make_pair):
-    return tuple(str(p) for p in make_pair("hybrid", "dflash"))
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +83,6 @@ def client(server):
 
 def tokens_of(responses) -> list[int]:
     return [t for m in responses for t in m.token_ids]
-
-
-def wait_for(predicate, timeout=30.0, interval=0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 # ---- serving -----------------------------------------------------------------------------------

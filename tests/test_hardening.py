@@ -18,21 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sanctum.api.client import Client, make_request
 from sanctum.api.server import Server
-from sanctum.serving.inline import InlineBackend
-from sanctum.settings import serve_settings
 
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # grpcio shares one per target otherwise
-
-
-@pytest.fixture(scope="module")
-def backend(make_pair, tmp_path_factory):
-    pair = make_pair("hybrid", "dflash")
-    settings = serve_settings(str(pair[0]), str(pair[1]), max_active=2, max_queue=2,
-                              cache_dir=str(tmp_path_factory.mktemp("cache")), env={})  # fmt: skip
-    b = InlineBackend(settings)
-    b.ready(120)
-    yield b
-    b.close()
 
 
 @pytest.fixture

@@ -16,24 +16,12 @@ import time
 import httpx
 import openai
 import pytest
+from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from sanctum.api.client import Client
 from sanctum.api.server import Server
-from sanctum.serving.inline import InlineBackend
-from sanctum.settings import serve_settings
 
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "add"}]
-
-
-@pytest.fixture(scope="module")
-def backend(make_pair, tmp_path_factory):
-    pair = make_pair("hybrid", "dflash")
-    settings = serve_settings(str(pair[0]), str(pair[1]), max_active=2, max_queue=2,
-                              cache_dir=str(tmp_path_factory.mktemp("cache")), env={})  # fmt: skip
-    b = InlineBackend(settings)
-    b.ready(120)
-    yield b
-    b.close()
 
 
 @pytest.fixture
@@ -291,15 +279,6 @@ def test_body_limit_is_413_naming_it(serve):
     assert r.status_code == 413 and "4096 bytes" in r.json()["error"]["message"]
     ok = oai(srv).chat.completions.create(model="m", messages=CHAT, max_tokens=2)
     assert ok.usage.completion_tokens == 2
-
-
-def wait_for(pred, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_full_is_429_and_a_disconnect_cancels(serve, backend):

@@ -4,47 +4,15 @@ their time, and no request stalling the others (issue 12)."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
 import numpy as np
 import pytest
+from helpers import PROMPTS as ALL_PROMPTS
+from helpers import wait_for
 
-PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:", "The quick brown fox"]
-
-
-@pytest.fixture(scope="module")
-def pair(make_pair):
-    return tuple(str(p) for p in make_pair("hybrid", "dflash"))
-
-
-@pytest.fixture(scope="module")
-def engine(pair):
-    """Target + full drafter in this process, and greedy references from the inline engine."""
-    from sanctum.engine.drafter import load_drafter
-    from sanctum.engine.speculative import generate
-    from sanctum.engine.target import load_target
-
-    target = load_target(pair[0])
-    drafter = load_drafter(pair[1], target)
-
-    def reference(prompt, max_tokens=24):
-        ids = target.tokenizer.encode(prompt, add_special_tokens=False)
-        steps = generate(target, ids, drafter=drafter, max_tokens=max_tokens)
-        return [t for s in steps for t in s.tokens]
-
-    return target, drafter, reference
-
-
-def wait_for(predicate, timeout=30.0, interval=0.1):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        with contextlib.suppress(Exception):  # a role may be restarting
-            if predicate():
-                return True
-        time.sleep(interval)
-    return predicate()
+PROMPTS = ALL_PROMPTS[:4]
 
 
 def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
