@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from . import cuda
+from .batch import verify_batch
 from .drafter import Drafter, DraftHead
 from .peer import MAX_PENDING_TAP_ROWS, DraftPeer, DraftUnavailable, LocalDraftPeer
 from .sampling import (
@@ -375,21 +376,64 @@ class Decoder:
         return accept_sampled(drafts, q, probabilities(logits, params), key)
 
     def _speculative_round(self, seq: Sequence, key: mx.array) -> Step:
-        params = seq.sampling
         k_draft, k_accept = mx.random.split(key)
-        base = cache_offset(seq.cache)
         t0 = time.perf_counter()
-        drafts, q = self._draft(seq, params, k_draft)
+        drafts, q = self._draft(seq, seq.sampling, k_draft)
         if self.profile:
             mx.eval(drafts)
         t1 = time.perf_counter()
         block = mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
-        logits, taps, tape = self.target.verify(block, seq.cache, self.tap_ids)
+        verified = self.target.verify(block, seq.cache, self.tap_ids)
+        stats = RoundStats(self.block_size, 0, 0, t1 - t0, time.perf_counter() - t1)
+        return self._settle(seq, block, drafts, q, verified, k_accept, stats)
+
+    def step_batch(self, seqs: list[Sequence], keys: list[mx.array]) -> list[Step]:
+        """One round of each sequence, their blocks verified in ONE target forward (the
+        drafter still runs once per sequence). Each sequence's output is what `step` gives it
+        alone: its own key, acceptance, commit and rollback. Sequences that cannot draft now
+        (no drafter, a drafter that is down) take a plain step instead."""
+        if self.peer is None or self.block_size <= 1 or self.profile or len(seqs) < 2:
+            return [self.step(seq, key) for seq, key in zip(seqs, keys)]
+        steps: dict[int, Step] = {}
+        drafted = []  # (index, seq, drafts [L-1], q, accept key)
+        t0 = time.perf_counter()
+        for i, (seq, key) in enumerate(zip(seqs, keys)):
+            k_draft, k_accept = mx.random.split(key)
+            try:
+                drafts, q = self._draft(seq, seq.sampling, k_draft)
+            except DraftUnavailable:
+                seq.draft_open = False  # as in `step`: a plain step, the drafter reopens later
+                steps[i] = self._plain_step(seq, key)
+                continue
+            drafted.append((i, seq, drafts, q, k_accept))
+        t1 = time.perf_counter()
+        if drafted:
+            blocks = [
+                mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
+                for _, seq, drafts, _, _ in drafted
+            ]
+            caches = [seq.cache for _, seq, _, _, _ in drafted]
+            outs = verify_batch(self.target, mx.stack(blocks), caches, self.tap_ids)
+            # the shared phases' wall time, split over the batch
+            draft_s, verify_s = (
+                (t - s) / len(drafted) for s, t in ((t0, t1), (t1, time.perf_counter()))
+            )
+            for (i, seq, drafts, q, k_acc), block, out in zip(drafted, blocks, outs):
+                stats = RoundStats(self.block_size, 0, 0, draft_s, verify_s)
+                steps[i] = self._settle(seq, block, drafts, q, out, k_acc, stats)
+        return [steps[i] for i in range(len(seqs))]
+
+    def _settle(self, seq, block, drafts, q, verified, k_accept, stats: RoundStats) -> Step:
+        """The round after its verify: accept, commit, hand the taps on, roll back."""
+        logits, taps, tape = verified
+        base = tape.start
         seq.last_tape = tape
-        accepted, bonus = self._accept(drafts, q, logits, params, k_accept)
+        t1 = time.perf_counter()
+        accepted, bonus = self._accept(drafts, q, logits, seq.sampling, k_accept)
         t2 = time.perf_counter()
         block_ids = block.tolist()
-        stats = RoundStats(self.block_size, accepted, 0, t1 - t0, t2 - t1)
+        stats.accepted = accepted
+        stats.verify_s += t2 - t1  # the acceptance waits on the verify
         step = self._commit(seq, block_ids[1 : accepted + 1] + [bonus], seq.stop_check, stats)
         t3 = time.perf_counter()
         # the cache keeps the anchor and the committed tokens but the last (the next anchor)

@@ -1,0 +1,141 @@
+"""Batched rounds (issue 15): several sequences' blocks verified in one target forward give
+every sequence exactly the tokens it gets served alone, whatever the mix of prompt lengths,
+KV formats, acceptance, early ends (EOS, max_tokens) and seeded sampling."""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import pytest
+from sanctum.engine.sampling import SamplingParams
+from sanctum.engine.speculative import Decoder, LocalDraftPeer, generate, make_key
+from sanctum.engine.target import cache_offset
+from test_engine import load_pair, tokens_of
+
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "x = 1",
+    "import os\nimport sys\n\nclass Foo:\n    def __init__(self, a, b):\n        self.a = a\n",
+    "for i in range(10):\n    print(i)\n",
+]
+
+
+class ScriptedBatchDecoder(Decoder):
+    """Proposes each sequence's known continuation, corrupted at a scripted row per round (row
+    L-1: none), so every acceptance count is exercised, differently in each sequence."""
+
+    def __init__(self, target, drafter, references: dict, scripts: dict, **kw):
+        super().__init__(target, drafter, LocalDraftPeer(drafter), **kw)
+        self.references, self.scripts = references, scripts
+
+    def _draft(self, seq, params, key):
+        n, L = len(seq.completion), self.block_size
+        drafts = list(self.references[seq.seq_id][n : n + L - 1])
+        drafts += [0] * (L - 1 - len(drafts))
+        j = next(self.scripts[seq.seq_id])
+        if j < L - 1:
+            drafts[j] = (drafts[j] + 1) % self.target.vocab_size
+        return mx.array(drafts), None
+
+
+def solo(target, drafter, prompt, n, kv="fp16", eos=(), sampling=None, block=None):
+    ids = target.tokenizer.encode(prompt)
+    steps = generate(
+        target,
+        ids,
+        drafter=drafter,
+        max_tokens=n,
+        kv_mode=kv,
+        eos_ids=set(eos),
+        sampling=sampling,
+        block_size=block,
+    )
+    return tokens_of(steps)
+
+
+def run_batch(decoder, target, specs):
+    """specs: (seq_id, prompt, max_tokens, kv, eos, sampling); every open sequence steps in
+    one `step_batch` per round, leaving the batch when it finishes. Returns tokens by seq_id
+    and the batch widths seen."""
+    seqs, keys, out = [], {}, {}
+    for seq_id, prompt, n, kv, eos, sampling in specs:
+        sampling = sampling or SamplingParams()
+        seq = decoder.new_sequence(seq_id, kv, sampling, n, eos)
+        key = make_key(sampling.seed)
+        logits = decoder.prefill(seq, target.tokenizer.encode(prompt))
+        key, sub = mx.random.split(key)
+        out[seq_id] = list(decoder.start(seq, logits, sub).tokens)
+        keys[seq_id] = key
+        if seq.finished is None:
+            seqs.append(seq)
+    widths = []
+    while seqs:
+        subs = []
+        for seq in seqs:
+            keys[seq.seq_id], sub = mx.random.split(keys[seq.seq_id])
+            subs.append(sub)
+        widths.append(len(seqs))
+        for seq, step in zip(seqs, decoder.step_batch(seqs, subs)):
+            out[seq.seq_id] += step.tokens
+            assert cache_offset(seq.cache) == len(seq.cached_tokens)
+        for seq in [s for s in seqs if s.finished is not None]:
+            decoder.close(seq)
+        seqs = [s for s in seqs if s.finished is None]
+    return out, widths
+
+
+@pytest.mark.parametrize("drafter_kind", ["dflash", "dflash2"])
+def test_batch_greedy_equals_solo_for_mixed_lengths_and_kv(make_pair, drafter_kind):
+    target, drafter = load_pair(make_pair, "hybrid", drafter_kind)
+    kvs = ["fp16", "q8", "fp16", "q8"]
+    lengths = [24, 17, 30, 9]  # the short ones leave the batch early
+    decoder = Decoder(target, drafter, LocalDraftPeer(drafter))
+    specs = [
+        (f"s{i}", p, n, kv, (), None) for i, (p, n, kv) in enumerate(zip(PROMPTS, lengths, kvs))
+    ]
+    got, widths = run_batch(decoder, target, specs)
+    assert max(widths) == 4 and min(widths) < 4
+    for i, (p, n, kv) in enumerate(zip(PROMPTS, lengths, kvs)):
+        assert got[f"s{i}"] == solo(target, drafter, p, n, kv), f"sequence {i}"
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "next"])
+def test_batch_with_every_acceptance_and_eos_inside_an_accepted_run(make_pair, kind):
+    target, drafter = load_pair(make_pair, kind, "dflash")
+    L = 8
+    kvs = ["fp16", "q8", "fp16", "q8"]
+    refs = {f"s{i}": solo(target, None, p, 64, kvs[i]) for i, p in enumerate(PROMPTS)}
+    # s1 stops on an EOS inside a fully accepted block; s2 on max_tokens mid-block
+    eos_pos = next(j for j in range(9, 40) if refs["s1"][j] not in refs["s1"][:j])
+    eos = {refs["s1"][eos_pos]}
+    scripts = {
+        "s0": itertools.cycle(range(L)),
+        "s1": itertools.repeat(L - 1),
+        "s2": itertools.cycle([3, 7, 0, 5]),
+        "s3": itertools.cycle(range(L - 1, -1, -1)),
+    }
+    decoder = ScriptedBatchDecoder(target, drafter, refs, scripts, block_size=L)
+    specs = [
+        ("s0", PROMPTS[0], 48, "fp16", (), None),
+        ("s1", PROMPTS[1], 60, "q8", eos, None),
+        ("s2", PROMPTS[2], 13, "fp16", (), None),
+        ("s3", PROMPTS[3], 40, "q8", (), None),
+    ]
+    got, widths = run_batch(decoder, target, specs)
+    assert widths[0] == 4
+    assert got["s0"] == refs["s0"][:48]
+    assert got["s1"] == refs["s1"][:eos_pos]
+    assert got["s2"] == refs["s2"][:13]
+    assert got["s3"] == refs["s3"][:40]
+
+
+def test_seeded_sampling_in_a_batch_equals_the_seed_alone(make_pair):
+    target, drafter = load_pair(make_pair, "hybrid", "dflash2")
+    params = [SamplingParams(temperature=0.8, seed=s) for s in (1, 2, 3)]
+    params[2] = SamplingParams(temperature=1.0, top_k=20, seed=3)
+    decoder = Decoder(target, drafter, LocalDraftPeer(drafter))
+    specs = [(f"s{i}", PROMPTS[i], 24, "fp16", (), p) for i, p in enumerate(params)]
+    got, _ = run_batch(decoder, target, specs)
+    for i, p in enumerate(params):
+        assert got[f"s{i}"] == solo(target, drafter, PROMPTS[i], 24, sampling=p), f"seed {p.seed}"
