@@ -9,7 +9,8 @@ import itertools
 import mlx.core as mx
 import pytest
 from sanctum.engine.sampling import SamplingParams
-from sanctum.engine.speculative import Decoder, LocalDraftPeer, generate, make_key
+from sanctum.engine.rounds import BatchDecoder
+from sanctum.engine.speculative import LocalDraftPeer, generate, make_key
 from sanctum.engine.target import cache_offset
 from test_engine import load_pair, tokens_of
 
@@ -21,7 +22,7 @@ PROMPTS = [
 ]
 
 
-class ScriptedBatchDecoder(Decoder):
+class ScriptedBatchDecoder(BatchDecoder):
     """Proposes each sequence's known continuation, corrupted at a scripted row per round (row
     L-1: none), so every acceptance count is exercised, differently in each sequence."""
 
@@ -37,6 +38,9 @@ class ScriptedBatchDecoder(Decoder):
         if j < L - 1:
             drafts[j] = (drafts[j] + 1) % self.target.vocab_size
         return mx.array(drafts), None
+
+    def _draft_all(self, seqs, keys):
+        return [self._draft(seq, seq.sampling, key) for seq, key in zip(seqs, keys)]
 
 
 def solo(target, drafter, prompt, n, kv="fp16", eos=(), sampling=None, block=None):
@@ -90,7 +94,7 @@ def test_batch_greedy_equals_solo_for_mixed_lengths_and_kv(make_pair, drafter_ki
     target, drafter = load_pair(make_pair, "hybrid", drafter_kind)
     kvs = ["fp16", "q8", "fp16", "q8"]
     lengths = [24, 17, 30, 9]  # the short ones leave the batch early
-    decoder = Decoder(target, drafter, LocalDraftPeer(drafter))
+    decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
     specs = [
         (f"s{i}", p, n, kv, (), None) for i, (p, n, kv) in enumerate(zip(PROMPTS, lengths, kvs))
     ]
@@ -134,7 +138,7 @@ def test_seeded_sampling_in_a_batch_equals_the_seed_alone(make_pair):
     target, drafter = load_pair(make_pair, "hybrid", "dflash2")
     params = [SamplingParams(temperature=0.8, seed=s) for s in (1, 2, 3)]
     params[2] = SamplingParams(temperature=1.0, top_k=20, seed=3)
-    decoder = Decoder(target, drafter, LocalDraftPeer(drafter))
+    decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
     specs = [(f"s{i}", PROMPTS[i], 24, "fp16", (), p) for i, p in enumerate(params)]
     got, _ = run_batch(decoder, target, specs)
     for i, p in enumerate(params):

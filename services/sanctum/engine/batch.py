@@ -1,4 +1,5 @@
-"""One target forward over several sequences' blocks: the verify of a batched round.
+"""One target forward over several sequences' blocks (the verify of a batched round), and one
+drafter body forward over their draft blocks.
 
 Each sequence keeps its own caches (attention KV of its own length and format, GDN state of
 batch 1), so nothing about a sequence changes when it joins or leaves a batch. For the forward,
@@ -14,9 +15,10 @@ Knows nothing about drafters, scheduling, Ray or gRPC.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
 
+from .drafter import ContextCache, DraftBody, block_attention_mask
 from .gdn import GDNTape, _math_for, _one_chunk_tape
 from .target import DequantizedView, Target, VerifyTape, cache_offset
 
@@ -85,3 +87,51 @@ def _gdn_batch(mod, x: mx.array, caches: list, tapes: list[list[GDNTape]]) -> mx
             entry.inputs = parts
         tapes[n].append(entry)
     return out
+
+
+def draft_batch(
+    body: DraftBody,
+    caches: list[list[ContextCache]],
+    new_taps: list[mx.array | None],  # each [C_n, n_taps * H_target] or None
+    block_embeds: mx.array,  # [N, L, H]
+    starts: list[int],  # each sequence's anchor position
+) -> mx.array:  # [N, L, H]
+    """`DraftBody.__call__` over N sequences at once: their new context rows go into each
+    sequence's own context cache, then the N blocks run the layers together (attention per
+    sequence on its own context, as `verify_batch` does for the target)."""
+    keep = body.context_rows_needed()
+    for taps, start, cache in zip(new_taps, starts, caches):
+        if taps is None or taps.shape[0] == 0:
+            continue
+        if keep is not None:
+            taps = taps[-keep:]
+        ctx = body.hidden_norm(body.fc(taps[None]))
+        for layer, c in zip(body.layers, cache):
+            layer.self_attn.add_context(ctx, start - taps.shape[0], c)
+    h = block_embeds
+    if body.cfg.input_embedding_scale != 1.0:
+        h = h * body.cfg.input_embedding_scale
+    for i, layer in enumerate(body.layers):
+        layer_caches = [c[i] for c in caches]
+        h = layer.run(h, lambda y, a=layer.self_attn, cs=layer_caches: _attend(a, y, starts, cs))
+    return body.norm(h)
+
+
+def _attend(attn, x: mx.array, starts: list[int], caches: list[ContextCache]) -> mx.array:
+    """`DraftAttention.__call__` for N blocks: projections batched, the rest per sequence."""
+    N, L, _ = x.shape
+    q_all = attn.q_norm(attn.q_proj(x).reshape(N, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+    k_all = attn.k_norm(attn.k_proj(x).reshape(N, L, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+    v_all = attn.v_proj(x).reshape(N, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    outs = []
+    for n, (start, cache) in enumerate(zip(starts, caches)):
+        q = attn.rope(q_all[n : n + 1], offset=start)
+        k, v = attn.rope(k_all[n : n + 1], offset=start), v_all[n : n + 1]
+        num_ctx = cache.num_rows
+        if num_ctx:
+            ck, cv = cache.fetch()
+            k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
+        mask = block_attention_mask(num_ctx, L, attn.causal, attn.window)
+        outs.append(scaled_dot_product_attention(q, k, v, cache=None, scale=attn.scale, mask=mask))
+    out = mx.concatenate(outs, axis=0)  # [N, heads, L, d]
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(N, L, -1))

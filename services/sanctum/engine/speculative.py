@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from . import cuda
-from .batch import verify_batch
 from .drafter import Drafter, DraftHead
 from .peer import MAX_PENDING_TAP_ROWS, DraftPeer, DraftUnavailable, LocalDraftPeer
 from .sampling import (
@@ -357,6 +356,10 @@ class Decoder:
             hidden = self.peer.draft(seq.seq_id, seq.taps.unsent(), block_embeds, start)  # [L-1, H]
             seq.taps.sent = seq.taps.end
         logits = self.head.logits(cuda.pad_rows(hidden))[: hidden.shape[0]]  # [L-1, V]
+        return self._propose(seq, hidden, logits, params, key)
+
+    def _propose(self, seq: Sequence, hidden, logits, params: SamplingParams, key: mx.array):
+        """Draft tokens from the body's hidden states [L-1, H] and their logits [L-1, V]."""
         if self.cfg.is_v2:
             temp = 0.0 if params.greedy else params.temperature
             drafts, cand, cand_q = self.head.select(hidden, logits, seq.anchor, temp, key)
@@ -386,42 +389,6 @@ class Decoder:
         verified = self.target.verify(block, seq.cache, self.tap_ids)
         stats = RoundStats(self.block_size, 0, 0, t1 - t0, time.perf_counter() - t1)
         return self._settle(seq, block, drafts, q, verified, k_accept, stats)
-
-    def step_batch(self, seqs: list[Sequence], keys: list[mx.array]) -> list[Step]:
-        """One round of each sequence, their blocks verified in ONE target forward (the
-        drafter still runs once per sequence). Each sequence's output is what `step` gives it
-        alone: its own key, acceptance, commit and rollback. Sequences that cannot draft now
-        (no drafter, a drafter that is down) take a plain step instead."""
-        if self.peer is None or self.block_size <= 1 or self.profile or len(seqs) < 2:
-            return [self.step(seq, key) for seq, key in zip(seqs, keys)]
-        steps: dict[int, Step] = {}
-        drafted = []  # (index, seq, drafts [L-1], q, accept key)
-        t0 = time.perf_counter()
-        for i, (seq, key) in enumerate(zip(seqs, keys)):
-            k_draft, k_accept = mx.random.split(key)
-            try:
-                drafts, q = self._draft(seq, seq.sampling, k_draft)
-            except DraftUnavailable:
-                seq.draft_open = False  # as in `step`: a plain step, the drafter reopens later
-                steps[i] = self._plain_step(seq, key)
-                continue
-            drafted.append((i, seq, drafts, q, k_accept))
-        t1 = time.perf_counter()
-        if drafted:
-            blocks = [
-                mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
-                for _, seq, drafts, _, _ in drafted
-            ]
-            caches = [seq.cache for _, seq, _, _, _ in drafted]
-            outs = verify_batch(self.target, mx.stack(blocks), caches, self.tap_ids)
-            # the shared phases' wall time, split over the batch
-            draft_s, verify_s = (
-                (t - s) / len(drafted) for s, t in ((t0, t1), (t1, time.perf_counter()))
-            )
-            for (i, seq, drafts, q, k_acc), block, out in zip(drafted, blocks, outs):
-                stats = RoundStats(self.block_size, 0, 0, draft_s, verify_s)
-                steps[i] = self._settle(seq, block, drafts, q, out, k_acc, stats)
-        return [steps[i] for i in range(len(seqs))]
 
     def _settle(self, seq, block, drafts, q, verified, k_accept, stats: RoundStats) -> Step:
         """The round after its verify: accept, commit, hand the taps on, roll back."""
