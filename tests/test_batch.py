@@ -8,8 +8,8 @@ import itertools
 
 import mlx.core as mx
 import pytest
-from sanctum.engine.sampling import SamplingParams
 from sanctum.engine.rounds import BatchDecoder
+from sanctum.engine.sampling import SamplingParams
 from sanctum.engine.speculative import LocalDraftPeer, generate, make_key
 from sanctum.engine.target import cache_offset
 from test_engine import load_pair, tokens_of
@@ -143,3 +143,81 @@ def test_seeded_sampling_in_a_batch_equals_the_seed_alone(make_pair):
     got, _ = run_batch(decoder, target, specs)
     for i, p in enumerate(params):
         assert got[f"s{i}"] == solo(target, drafter, PROMPTS[i], 24, sampling=p), f"seed {p.seed}"
+
+
+def test_scheduler_batches_concurrent_requests_each_as_served_alone(make_pair):
+    """Inline serving with SANCTUM_MAX_BATCH=4: concurrent requests (different prompt lengths
+    and KV formats, one resumed from the prompt cache, one seeded sample, one cancelled
+    mid-stream) share rounds, and each gets exactly what it gets served alone."""
+    import threading
+
+    from sanctum.serving.inline import InlineBackend, RoundDelay
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.settings import serve_settings
+
+    target_dir, drafter_dir = (str(p) for p in make_pair("hybrid", "dflash2"))
+    settings = serve_settings(target_dir, drafter_dir, cache_dir="none", max_batch=4, env={})
+    backend = InlineBackend(settings, RoundDelay(0.02))
+    warm = GenerateRequest(prompt=PROMPTS[2], max_tokens=6)
+    requests = [
+        GenerateRequest(prompt=PROMPTS[0], max_tokens=30, use_cache=False),
+        GenerateRequest(prompt=PROMPTS[1], max_tokens=12, kv_mode="q8", use_cache=False),
+        GenerateRequest(prompt=PROMPTS[2] + "        return a", max_tokens=20),  # resumes
+        GenerateRequest(prompt=PROMPTS[3], max_tokens=25, temperature=0.8, seed=7, use_cache=False),
+    ]
+    try:
+        backend.ready(60)
+        sched = backend.scheduler
+        widths = []
+        step_batch = sched.verifier.step_batch
+
+        def counted(acts):
+            widths.append(len(acts))
+            return step_batch(acts)
+
+        sched.verifier.step_batch = counted
+
+        def served(tickets):
+            out = {}
+
+            def read(ticket):
+                chunks = list(ticket)
+                out[ticket.request_id] = ([t for c in chunks for t in c.token_ids], chunks[-1])
+
+            threads = [threading.Thread(target=read, args=(t,)) for t in tickets]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            return out
+
+        def fresh(req):  # the same request under a new id
+            return GenerateRequest(**{**req.__dict__, "request_id": req.request_id + "-b"})
+
+        list(sched.submit(warm))
+        alone = {}
+        for req in requests:
+            alone.update(served([sched.submit(req)]))
+        assert not widths  # one request at a time: no shared round
+        backend.clear_cache()
+        list(sched.submit(fresh(warm)))
+        batch = [fresh(r) for r in requests]
+        cancelled = sched.submit(GenerateRequest(prompt=PROMPTS[0], max_tokens=3000))
+        tickets = [sched.submit(r) for r in batch]
+        first = cancelled.items.get(timeout=60)  # its first chunk: then cancel it mid-stream
+        sched.cancel(cancelled.request_id)
+        together = served(tickets)
+        rest = list(cancelled)
+        assert first.token_ids and len(rest) < 3000
+        assert max(widths, default=0) == 4
+        for req, again in zip(requests, batch):
+            tokens, last = together[again.request_id]
+            assert tokens == alone[req.request_id][0], req.prompt
+            assert last.finish_reason == alone[req.request_id][1].finish_reason
+        resumed = together[batch[2].request_id][1].usage
+        assert (
+            resumed.resumed_at > 0
+            and resumed.resumed_at == alone[requests[2].request_id][1].usage.resumed_at
+        )
+    finally:
+        backend.close()
