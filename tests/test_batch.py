@@ -221,3 +221,25 @@ def test_scheduler_batches_concurrent_requests_each_as_served_alone(make_pair):
         )
     finally:
         backend.close()
+
+
+def test_a_drafter_that_is_down_turns_the_batch_into_plain_steps(make_pair):
+    from sanctum.engine.peer import DraftUnavailable
+
+    target, drafter = load_pair(make_pair, "hybrid", "dflash")
+
+    class Flaky(LocalDraftPeer):
+        calls = 0
+
+        def draft_batch(self, *args):
+            Flaky.calls += 1
+            if Flaky.calls % 2:
+                raise DraftUnavailable("restarting")
+            return super().draft_batch(*args)
+
+    decoder = BatchDecoder(target, drafter, Flaky(drafter))
+    specs = [(f"s{i}", p, 20, "fp16", (), None) for i, p in enumerate(PROMPTS[:3])]
+    got, _ = run_batch(decoder, target, specs)
+    assert Flaky.calls > 2
+    for i, p in enumerate(PROMPTS[:3]):
+        assert got[f"s{i}"] == solo(target, drafter, p, 20), f"sequence {i}"
