@@ -1,7 +1,8 @@
 """`sanctum bench batch`: concurrent requests sharing rounds (issue 15). The same requests are
 served at each concurrency by that many clients at once (inline, SANCTUM_MAX_BATCH = the largest
-concurrency; at 1 every round is one request's, today's path), and each output is checked
-against the concurrency-1 run, where every request was served alone."""
+concurrency; at 1 every round is one request's, today's path), then at the largest concurrency
+again with max_batch 1 (today's round-robin), and each output is checked against the
+concurrency-1 run, where every request was served alone."""
 
 from __future__ import annotations
 
@@ -87,7 +88,10 @@ def run(args) -> dict:
         sched = backend.scheduler
         _serve(sched, requests[:1], 1)  # warm-up: compiled graphs, BLAS threads
         rows, alone = [], None
-        for clients in levels:
+        # each level batched, then the largest one again without shared rounds (today's
+        # round-robin of one request's round at a time), in the same run
+        for clients, width in [(c, max(levels)) for c in levels] + [(max(levels), 1)]:
+            sched.max_batch = width  # read by the worker loop between rounds; idle here
             wall, out = _serve(sched, requests, clients)
             tokens = {i: toks for i, (toks, _) in out.items()}
             if alone is None:
@@ -97,6 +101,7 @@ def run(args) -> dict:
             rows.append(
                 {
                     "concurrency": clients,
+                    "max_batch": width,
                     "aggregate_tok_s": round(total / wall, 1),
                     "per_request_tok_s": round(
                         sum(u.completion_tokens / u.elapsed_s for u in usages) / len(usages), 1
@@ -111,13 +116,14 @@ def run(args) -> dict:
         base = rows[0]["aggregate_tok_s"]
         for row in rows:
             row["aggregate_vs_one"] = round(row["aggregate_tok_s"] / base, 2)
+        top = rows[len(levels) - 1]["aggregate_tok_s"]
         return {
             "requests": count,
             "max_tokens": args.max_tokens,
-            "max_batch": max(levels),
             "block_size": backend.verifier.decoder.block_size,
             "levels": rows,
             "all_outputs_equal_alone": all(r["outputs_equal_alone"] for r in rows),
+            "batched_vs_unbatched_at_most": round(top / rows[-1]["aggregate_tok_s"], 2),
         }
     finally:
         backend.close()
