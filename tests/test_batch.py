@@ -89,9 +89,13 @@ def run_batch(decoder, target, specs):
     return out, widths
 
 
-@pytest.mark.parametrize("drafter_kind", ["dflash", "dflash2"])
-def test_batch_greedy_equals_solo_for_mixed_lengths_and_kv(make_pair, drafter_kind):
-    target, drafter = load_pair(make_pair, "hybrid", drafter_kind)
+@pytest.mark.parametrize(
+    "kind,drafter_kind",
+    [("hybrid", "dflash"), ("hybrid", "dflash2"), ("dense", "dflash"), ("moe", "dflash2"),
+     ("next", "dflash")],
+)  # fmt: skip
+def test_batch_greedy_equals_solo_for_mixed_lengths_and_kv(make_pair, kind, drafter_kind):
+    target, drafter = load_pair(make_pair, kind, drafter_kind)
     kvs = ["fp16", "q8", "fp16", "q8"]
     lengths = [24, 17, 30, 9]  # the short ones leave the batch early
     decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
