@@ -24,14 +24,14 @@ PROMPTS = [
 
 class ScriptedBatchDecoder(BatchDecoder):
     """Proposes each sequence's known continuation, corrupted at a scripted row per round (row
-    L-1: none), so every acceptance count is exercised, differently in each sequence."""
+    L-1 or more: none), so every acceptance count is exercised, differently in each sequence."""
 
     def __init__(self, target, drafter, references: dict, scripts: dict, **kw):
         super().__init__(target, drafter, LocalDraftPeer(drafter), **kw)
         self.references, self.scripts = references, scripts
 
     def _draft(self, seq, params, key):
-        n, L = len(seq.completion), self.block_size
+        n, L = len(seq.completion), self.width(seq)
         drafts = list(self.references[seq.seq_id][n : n + L - 1])
         drafts += [0] * (L - 1 - len(drafts))
         j = next(self.scripts[seq.seq_id])
@@ -247,3 +247,48 @@ def test_a_drafter_that_is_down_turns_the_batch_into_plain_steps(make_pair):
     assert Flaky.calls > 2
     for i, p in enumerate(PROMPTS[:3]):
         assert got[f"s{i}"] == solo(target, drafter, p, 20), f"sequence {i}"
+
+
+def test_adaptive_width_shrinks_a_rejected_sequence_without_holding_back_the_others(make_pair):
+    target, drafter = load_pair(make_pair, "hybrid", "dflash")
+    L = 8
+    refs = {f"s{i}": solo(target, None, p, 40) for i, p in enumerate(PROMPTS[:3])}
+    scripts = {
+        "s0": itertools.repeat(0),  # every first draft wrong: its blocks shrink to 2
+        "s1": itertools.repeat(L - 1),  # all accepted: stays at 8
+        "s2": itertools.cycle([0, 0, 99, 99, 99, 99]),  # shrinks, then grows back
+    }
+    decoder = ScriptedBatchDecoder(target, drafter, refs, scripts, block_size=L)
+    decoder.adaptive = True
+    seen: dict = {}
+    settle = decoder._settle
+
+    def watched(seq, *args):
+        step = settle(seq, *args)
+        seen.setdefault(seq.seq_id, []).append(step.stats.bs)
+        return step
+
+    decoder._settle = watched
+    specs = [(f"s{i}", p, 40, "fp16", (), None) for i, p in enumerate(PROMPTS[:3])]
+    got, _ = run_batch(decoder, target, specs)
+    for i in range(3):
+        assert got[f"s{i}"] == refs[f"s{i}"], f"sequence {i}"
+    assert seen["s0"][:3] == [8, 4, 2] and set(seen["s0"][2:]) == {2}
+    assert set(seen["s1"]) == {8}
+    assert 2 in seen["s2"] and 8 in seen["s2"][seen["s2"].index(2) :]
+
+
+def test_adaptive_width_seeded_sampling_in_a_batch_equals_alone(make_pair):
+    target, drafter = load_pair(make_pair, "hybrid", "dflash2")
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (4, 5, 6)]
+
+    def decoder():
+        d = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
+        d.adaptive = True
+        return d
+
+    specs = [(f"s{i}", PROMPTS[i], 30, "fp16", (), p) for i, p in enumerate(params)]
+    got, _ = run_batch(decoder(), target, specs)
+    for spec in specs:
+        alone, _ = run_batch(decoder(), target, [spec])
+        assert got[spec[0]] == alone[spec[0]], spec[0]

@@ -267,6 +267,8 @@ class ServeSettings:
     max_queue: int = var("SANCTUM_MAX_QUEUE", 64, int)  # may wait more; then RESOURCE_EXHAUSTED
     # open requests whose rounds share one drafter and one target forward (1: one at a time)
     max_batch: int = var("SANCTUM_MAX_BATCH", 1, int)
+    # 1: a sequence whose drafts keep failing drafts smaller blocks (engine Decoder.adaptive)
+    adaptive_width: int = var("SANCTUM_ADAPTIVE_WIDTH", 0, int)
     max_tokens_limit: int = 4096
     # prompt tokens prefilled before the other requests get their next round, fewer if they
     # would take longer than prefill_slice_ms (serving/scheduler.py)

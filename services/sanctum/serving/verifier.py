@@ -106,6 +106,7 @@ class Active:
     stops: tuple = ()  # where prefill must pause to capture a rung (absolute positions)
     started: float = field(default_factory=time.perf_counter)
     watch: ReencodingWatch | None = None  # chat requests with a cache: see ReencodingWatch
+    spec_rounds: int = 0  # speculative rounds (their block sizes may differ: adaptive width)
 
     @property
     def finished(self) -> bool:
@@ -317,6 +318,7 @@ class Verifier:
         if s.bs > 1:
             act.usage.drafted_tokens += s.bs - 1
             act.usage.accepted_tokens += s.accepted
+            act.spec_rounds += 1
         log.debug(
             "%s completion_tokens=%d", s.line(len(act.seq.completion)), len(act.seq.completion)
         )
@@ -397,8 +399,7 @@ class Verifier:
         if step.finish_reason is not None:
             chunk.text += act.stream.finish()
             chunk.finish_reason = step.finish_reason
-            spec = usage.drafted_tokens // max(1, self.decoder.block_size - 1)  # rounds
-            usage.tau = round(acceptance_length(usage.accepted_tokens, spec) or 0.0, 4)
+            usage.tau = round(acceptance_length(usage.accepted_tokens, act.spec_rounds) or 0.0, 4)
             usage.elapsed_s = round(time.perf_counter() - act.started, 6)
             chunk.usage = usage
             self.metrics.completion_tokens += usage.completion_tokens
