@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import replace
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -32,6 +33,8 @@ def add_parser(bsub) -> None:
     p.add_argument("--concurrency", default="1,2,4", help="clients at once, comma separated")
     p.add_argument("--requests", type=int, help="requests at each concurrency (default: the most)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded samples")
+    p.add_argument("--adaptive-width", action="store_true", help="SANCTUM_ADAPTIVE_WIDTH=1")
     p.add_argument("--json", action="store_true")
 
 
@@ -73,10 +76,13 @@ def run(args) -> dict:
     settings = serve_settings(
         **model_flags(args), cache_dir="none", max_batch=max(levels), max_active=max(levels)
     )
+    settings = replace(settings, adaptive_width=int(args.adaptive_width))
     requests = [
         GenerateRequest(
             prompt=PROMPTS[i % len(PROMPTS)],
             max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=i,
             use_cache=False,
             request_id=f"bench-{i}",
         )
@@ -121,6 +127,8 @@ def run(args) -> dict:
             "requests": count,
             "max_tokens": args.max_tokens,
             "block_size": backend.verifier.decoder.block_size,
+            "temperature": args.temperature,
+            "adaptive_width": bool(args.adaptive_width),
             "levels": rows,
             "all_outputs_equal_alone": all(r["outputs_equal_alone"] for r in rows),
             "batched_vs_unbatched_at_most": round(top / rows[-1]["aggregate_tok_s"], 2),
