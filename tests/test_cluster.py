@@ -233,6 +233,36 @@ def _tokens(responses):
 
 
 @pytest.mark.slow
+def test_a_batched_round_with_the_drafter_actor_gives_the_engine_output(cluster, engine, pair):
+    """Verifier.step_batch over a pipelined peer: drafts (prefetched per sequence) from the
+    actor, one shared target verify; each request gets its solo output."""
+    from sanctum.cluster.drafter import RemoteDraftPeer
+    from sanctum.engine.drafter import load_drafter
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.serving.verifier import Verifier
+
+    backend, _ = cluster
+    target, _, reference = engine
+    head = load_drafter(pair[1], target, parts="head")
+    peer = RemoteDraftPeer(backend.drafter, ray.get_runtime_context().get_node_id(), "shm")
+    verifier = Verifier(target, head, peer)
+    lengths = dict(zip(PROMPTS[:3], (24, 10, 17)))
+    live, out = [], {}
+    for prompt, n in lengths.items():
+        act, chunk = verifier.open(GenerateRequest(prompt=prompt, max_tokens=n, use_cache=False))
+        live.append(act)
+        out[prompt] = list(chunk.token_ids)
+    while live:
+        for act, chunk in zip(live, verifier.step_batch(live)):
+            out[act.req.prompt] += chunk.token_ids
+        for act in [a for a in live if a.finished]:
+            verifier.close(act)
+        live = [a for a in live if not a.finished]
+    for prompt, n in lengths.items():
+        assert out[prompt] == reference(prompt, n), prompt
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "object_store"])
 def test_drafter_transports_give_the_engine_output(cluster, engine, pair, transport):
     """The verifier role in this process, the drafter body in its actor, over each transport."""

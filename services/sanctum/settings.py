@@ -265,6 +265,10 @@ class ServeSettings:
     cache: CacheSettings
     max_active: int = var("SANCTUM_MAX_ACTIVE", 8, int)  # requests interleaved round by round
     max_queue: int = var("SANCTUM_MAX_QUEUE", 64, int)  # may wait more; then RESOURCE_EXHAUSTED
+    # open requests whose rounds share one drafter and one target forward (1: one at a time)
+    max_batch: int = var("SANCTUM_MAX_BATCH", 1, int)
+    # 1: a sequence whose drafts keep failing drafts smaller blocks (engine Decoder.adaptive)
+    adaptive_width: int = var("SANCTUM_ADAPTIVE_WIDTH", 0, int)
     max_tokens_limit: int = 4096
     # prompt tokens prefilled before the other requests get their next round, fewer if they
     # would take longer than prefill_slice_ms (serving/scheduler.py)
@@ -297,6 +301,7 @@ def serve_settings(
     cache_dir: str | None = None,
     max_active: int | None = None,
     max_queue: int | None = None,
+    max_batch: int | None = None,
     transport: str | None = None,
     resources: Mapping[str, str | dict | None] | None = None,
     env: Env = os.environ,
@@ -324,6 +329,7 @@ def serve_settings(
         cache=cache,
         max_active=max_active or None,
         max_queue=max_queue,
+        max_batch=max_batch,
         transport=transport,
         resources=placed,
         processes=read(RoleProcesses, env),

@@ -39,6 +39,12 @@ def register(sub) -> None:
     )
     s.add_argument("--max-queue", type=int, help="requests allowed to wait beyond those (64)")
     s.add_argument(
+        "--max-batch",
+        type=int,
+        help="decoding requests whose rounds share one drafter and one target forward "
+        "(SANCTUM_MAX_BATCH, default 1: one request's round at a time)",
+    )
+    s.add_argument(
         "--transport",
         choices=("auto", "shm", "object_store"),
         help="per-round transport to the drafter and back to the front end (auto: shared "
@@ -77,6 +83,7 @@ def cmd_serve(args) -> int:
         cache_dir=args.cache_dir,
         max_active=args.max_active,
         max_queue=args.max_queue,
+        max_batch=args.max_batch,
         transport=args.transport,
         resources={role: getattr(args, f"{role}_resources") for role in ROLES},
     )

@@ -40,6 +40,9 @@ def register(sub) -> None:
     from .http import add_parser as add_http
 
     add_http(bsub)
+    from .batch import add_parser as add_batch
+
+    add_batch(bsub)
     t = bsub.add_parser("tau", help="tau and speculative/plain tok/s per context length")
     add_model_flags(t)
     t.add_argument(
@@ -87,6 +90,13 @@ def http(args) -> dict:
     return run(args)
 
 
+def batch(args) -> dict:
+    """Concurrent requests sharing rounds: tok/s, TTFT, tau by concurrency (bench/batch.py)."""
+    from .batch import run
+
+    return run(args)
+
+
 def seed(args) -> dict:
     """The seed's shapes on random weights (bench/seed.py)."""
     from .seed import seed as run
@@ -116,6 +126,7 @@ BENCHES = {
     "reencode": reencode,
     "abuse": abuse,
     "http": http,
+    "batch": batch,
     "seed": seed,
     "cuda": cuda,
     "cache-size": cache_size,

@@ -64,6 +64,7 @@ class Step:
 
 
 GREEDY = SamplingParams()
+MIN_WIDTH = 2  # the smallest block adaptive width drafts (an anchor and one draft)
 # (completion so far, new tokens) -> how many of the new tokens to keep, and whether to stop
 StopCheck = Callable[[list[int], list[int]], tuple[int, bool]]
 
@@ -88,6 +89,7 @@ class Sequence:
     last_tape: VerifyTape | None = None  # the latest verify pass (a later truncation can reuse it)
     prefetch: Prefetch | None = None  # the next block's draft, already asked of a pipelined peer
     ahead: Ahead | None = None  # the anchor's plain step, already queued on the device
+    width: int | None = None  # the block it drafts now (adaptive width); None: the decoder's
 
     @property
     def pending_taps(self) -> list[mx.array]:
@@ -136,6 +138,10 @@ class Decoder:
         self.max_pending_rows = min(MAX_PENDING_TAP_ROWS, seen or MAX_PENDING_TAP_ROWS)
         self.pipelined = bool(getattr(self.peer, "pipelined", False)) and self.block_size > 1
         self.profile = False  # sync after each phase of a round (accurate split, slower)
+        # adaptive width: a sequence whose drafts keep failing drafts smaller blocks (down to
+        # MIN_WIDTH), and grows back to block_size as they are accepted; its own history alone
+        # decides, so a sequence drafts the same widths alone or in a batch
+        self.adaptive = False
         if self.cfg is not None:
             self.mask_embed = target.embed_tokens(mx.array([self.cfg.mask_token_id]))  # [1, H]
 
@@ -308,10 +314,20 @@ class Decoder:
                 seq.taps.resend()
             seq.draft_open = True
 
-    def _block_embeds(self, anchor: int) -> mx.array:
+    def width(self, seq: Sequence) -> int:
+        """The block size `seq` drafts this round."""
+        return seq.width or self.block_size
+
+    def _adapt(self, seq: Sequence, width: int, accepted: int) -> None:
+        if accepted + 1 < width // 2 and width > MIN_WIDTH:
+            seq.width = max(MIN_WIDTH, width // 2)
+        elif accepted == width - 1 and width < self.block_size:
+            seq.width = min(self.block_size, width * 2)
+
+    def _block_embeds(self, anchor: int, size: int) -> mx.array:
         """[L, H]: the anchor's embedding, then L-1 mask embeddings."""
         anchor_embed = self.target.embed_tokens(mx.array([anchor]))
-        return mx.concatenate([anchor_embed, mx.repeat(self.mask_embed, self.block_size - 1, 0)])
+        return mx.concatenate([anchor_embed, mx.repeat(self.mask_embed, size - 1, 0)])
 
     def _prefetch(self, seq: Sequence, start: int) -> None:
         """Ask a pipelined peer for the next block now (anchor at `start`), to collect it at the
@@ -320,7 +336,7 @@ class Decoder:
             return
         try:
             self._open_draft(seq)
-            embeds = self._block_embeds(seq.anchor)
+            embeds = self._block_embeds(seq.anchor, self.width(seq))
             handle = self.peer.submit(seq.seq_id, seq.taps.unsent(), embeds, start)
         except DraftUnavailable:
             seq.draft_open = False
@@ -352,10 +368,14 @@ class Decoder:
         hidden = self._collect_prefetch(seq, start)
         if hidden is None:
             self._open_draft(seq)
-            block_embeds = self._block_embeds(seq.anchor)
+            block_embeds = self._block_embeds(seq.anchor, self.width(seq))
             hidden = self.peer.draft(seq.seq_id, seq.taps.unsent(), block_embeds, start)  # [L-1, H]
             seq.taps.sent = seq.taps.end
         logits = self.head.logits(cuda.pad_rows(hidden))[: hidden.shape[0]]  # [L-1, V]
+        return self._propose(seq, hidden, logits, params, key)
+
+    def _propose(self, seq: Sequence, hidden, logits, params: SamplingParams, key: mx.array):
+        """Draft tokens from the body's hidden states [L-1, H] and their logits [L-1, V]."""
         if self.cfg.is_v2:
             temp = 0.0 if params.greedy else params.temperature
             drafts, cand, cand_q = self.head.select(hidden, logits, seq.anchor, temp, key)
@@ -375,26 +395,35 @@ class Decoder:
         return accept_sampled(drafts, q, probabilities(logits, params), key)
 
     def _speculative_round(self, seq: Sequence, key: mx.array) -> Step:
-        params = seq.sampling
         k_draft, k_accept = mx.random.split(key)
-        base = cache_offset(seq.cache)
         t0 = time.perf_counter()
-        drafts, q = self._draft(seq, params, k_draft)
+        drafts, q = self._draft(seq, seq.sampling, k_draft)
         if self.profile:
             mx.eval(drafts)
         t1 = time.perf_counter()
         block = mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
-        logits, taps, tape = self.target.verify(block, seq.cache, self.tap_ids)
+        verified = self.target.verify(block, seq.cache, self.tap_ids)
+        stats = RoundStats(self.width(seq), 0, 0, t1 - t0, time.perf_counter() - t1)
+        return self._settle(seq, block, drafts, q, verified, k_accept, stats)
+
+    def _settle(self, seq, block, drafts, q, verified, k_accept, stats: RoundStats) -> Step:
+        """The round after its verify: accept, commit, hand the taps on, roll back."""
+        logits, taps, tape = verified
+        base = tape.start
         seq.last_tape = tape
-        accepted, bonus = self._accept(drafts, q, logits, params, k_accept)
+        t1 = time.perf_counter()
+        accepted, bonus = self._accept(drafts, q, logits, seq.sampling, k_accept)
         t2 = time.perf_counter()
         block_ids = block.tolist()
-        stats = RoundStats(self.block_size, accepted, 0, t1 - t0, t2 - t1)
+        stats.accepted = accepted
+        stats.verify_s += t2 - t1  # the acceptance waits on the verify
         step = self._commit(seq, block_ids[1 : accepted + 1] + [bonus], seq.stop_check, stats)
         t3 = time.perf_counter()
         # the cache keeps the anchor and the committed tokens but the last (the next anchor)
         keep = len(step.tokens)
         seq.taps.add(taps[:keep])
+        if self.adaptive:  # before the prefetch: the next block has the new width
+            self._adapt(seq, stats.bs, accepted)
         self._prefetch(seq, base + keep)  # the drafter starts on the next block meanwhile
         t_roll = time.perf_counter()
         stats.draft_s += t_roll - t3

@@ -88,7 +88,7 @@ def make_verifier(
     peer = None
     if drafter is not None:
         peer = remote_peer() if remote_peer is not None else LocalDraftPeer(drafter)
-    return Verifier(
+    verifier = Verifier(
         target,
         drafter,
         peer,
@@ -99,6 +99,8 @@ def make_verifier(
         settings.max_tokens_limit,
         settings.cache.ladder_bytes,
     )
+    verifier.decoder.adaptive = bool(settings.adaptive_width)
+    return verifier
 
 
 class InlineBackend:

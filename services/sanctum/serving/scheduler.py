@@ -108,7 +108,9 @@ class Scheduler:
         max_queue: int = 64,
         prefill_slice: int = PREFILL_SLICE,
         prefill_slice_s: float = PREFILL_SLICE_S,
+        max_batch: int = 1,
     ):
+        self.max_batch = max(1, max_batch)  # requests whose rounds share one forward
         self._parked = threading.Event()
         self.max_active, self.max_queue = max(1, max_active), max(0, max_queue)
         self._cv = threading.Condition()
@@ -137,6 +139,7 @@ class Scheduler:
             settings.max_queue,
             settings.prefill_slice,
             settings.prefill_slice_ms / 1000.0,
+            settings.max_batch,
         )
 
     @property
@@ -270,10 +273,25 @@ class Scheduler:
                 self._reap_cancelled()
                 if request_id in self._prefilling:
                     self._prefill(request_id)
+            if self.max_batch > 1:
+                self._rounds_batched()
+                continue
             for request_id in list(self._active):
                 self._reap_cancelled()
                 if request_id in self._active:
                     self._round(request_id)
+
+    def _rounds_batched(self) -> None:
+        """One round of every decoding request, up to `max_batch` of them in each shared
+        round (one drafter forward, one target forward: Verifier.step_batch)."""
+        ids = list(self._active)
+        for g in range(0, len(ids), self.max_batch):
+            self._reap_cancelled()
+            group = [r for r in ids[g : g + self.max_batch] if r in self._active]
+            if len(group) == 1:
+                self._round(group[0])
+            elif group:
+                self._round_batch(group)
 
     def _finish(self, request_id: str, ticket: Ticket, item=END) -> None:
         with self._cv:
@@ -365,6 +383,20 @@ class Scheduler:
             chunk: Chunk = self.verifier.step(act)
         except Exception as exc:
             return self._fail(request_id, act, ticket, exc, "in a round")
+        self._after_round(request_id, act, ticket, chunk)
+
+    def _round_batch(self, request_ids: list[str]) -> None:
+        entries = [self._active[r] for r in request_ids]
+        try:
+            chunks = self.verifier.step_batch([act for act, _ in entries])
+        except Exception as exc:  # which request broke it is unknown: each is told
+            for request_id, (act, ticket) in zip(request_ids, entries):
+                self._fail(request_id, act, ticket, exc, "in a batched round")
+            return
+        for request_id, (act, ticket), chunk in zip(request_ids, entries, chunks):
+            self._after_round(request_id, act, ticket, chunk)
+
+    def _after_round(self, request_id: str, act, ticket: Ticket, chunk: Chunk) -> None:
         ticket.items.put(chunk)
         if act.finished:
             self._close(act)

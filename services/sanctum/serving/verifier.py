@@ -19,6 +19,7 @@ import mlx.core as mx
 from ..cache.ladder import choose_rungs, make_entry, prefill_stops, restore_into
 from ..cache.store import ResumePlan
 from ..engine.drafter import Drafter
+from ..engine.rounds import BatchDecoder
 from ..engine.sampling import acceptance_length
 from ..engine.speculative import Decoder, DraftPeer, Sequence, make_key
 from ..engine.target import Target, VerifyTape
@@ -105,6 +106,7 @@ class Active:
     stops: tuple = ()  # where prefill must pause to capture a rung (absolute positions)
     started: float = field(default_factory=time.perf_counter)
     watch: ReencodingWatch | None = None  # chat requests with a cache: see ReencodingWatch
+    spec_rounds: int = 0  # speculative rounds (their block sizes may differ: adaptive width)
 
     @property
     def finished(self) -> bool:
@@ -153,7 +155,7 @@ class Verifier:
         ladder_bytes: int = 0,
     ):
         self.target = target
-        self.decoder = Decoder(target, drafter, peer, block_size)
+        self.decoder = BatchDecoder(target, drafter, peer, block_size)
         self.store = store
         self.ladder_depth = ladder_depth
         self.ladder_bytes = ladder_bytes  # rung bytes per conversation (0: by depth alone)
@@ -294,7 +296,20 @@ class Verifier:
         """One round (speculative, or one plain token)."""
         act.key, sub = mx.random.split(act.key)
         before = self.decoder.committed_state(act.seq)[0]
-        step = self.decoder.step(act.seq, sub)
+        return self._after_step(act, before, self.decoder.step(act.seq, sub))
+
+    def step_batch(self, acts: list[Active]) -> list[Chunk]:
+        """One round of each request, all in one shared round (BatchDecoder.step_batch): each
+        request's chunk is the one `step` would give it."""
+        subs, befores = [], []
+        for act in acts:
+            act.key, sub = mx.random.split(act.key)
+            subs.append(sub)
+            befores.append(self.decoder.committed_state(act.seq)[0])
+        steps = self.decoder.step_batch([act.seq for act in acts], subs)
+        return [self._after_step(a, b, s) for a, b, s in zip(acts, befores, steps)]
+
+    def _after_step(self, act: Active, before: int, step) -> Chunk:
         if act.watch is not None and not act.watch.done:
             act.watch.observe(self.decoder, act.seq, before, step)
         s = step.stats
@@ -303,6 +318,7 @@ class Verifier:
         if s.bs > 1:
             act.usage.drafted_tokens += s.bs - 1
             act.usage.accepted_tokens += s.accepted
+            act.spec_rounds += 1
         log.debug(
             "%s completion_tokens=%d", s.line(len(act.seq.completion)), len(act.seq.completion)
         )
@@ -383,8 +399,7 @@ class Verifier:
         if step.finish_reason is not None:
             chunk.text += act.stream.finish()
             chunk.finish_reason = step.finish_reason
-            spec = usage.drafted_tokens // max(1, self.decoder.block_size - 1)  # rounds
-            usage.tau = round(acceptance_length(usage.accepted_tokens, spec) or 0.0, 4)
+            usage.tau = round(acceptance_length(usage.accepted_tokens, act.spec_rounds) or 0.0, 4)
             usage.elapsed_s = round(time.perf_counter() - act.started, 6)
             chunk.usage = usage
             self.metrics.completion_tokens += usage.completion_tokens

@@ -1,0 +1,137 @@
+"""`sanctum bench batch`: concurrent requests sharing rounds (issue 15). The same requests are
+served at each concurrency by that many clients at once (inline, SANCTUM_MAX_BATCH = the largest
+concurrency; at 1 every round is one request's, today's path), then at the largest concurrency
+again with max_batch 1 (today's round-robin), and each output is checked against the
+concurrency-1 run, where every request was served alone."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import replace
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\ndef main():",
+    "class Stack:\n    def __init__(self):",
+    "def add(a, b):",
+    "for i in range(10):\n    print(i)\n",
+    "def read_file(path):\n    with open(path) as f:",
+    "import json\n\n\ndef load(path):",
+    "def quicksort(xs):",
+]
+
+
+def add_parser(bsub) -> None:
+    from ..settings import add_model_flags
+
+    p = bsub.add_parser(
+        "batch", help="aggregate and per-request tok/s, TTFT and tau by concurrency"
+    )
+    add_model_flags(p)
+    p.add_argument("--concurrency", default="1,2,4", help="clients at once, comma separated")
+    p.add_argument("--requests", type=int, help="requests at each concurrency (default: the most)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded samples")
+    p.add_argument("--adaptive-width", action="store_true", help="SANCTUM_ADAPTIVE_WIDTH=1")
+    p.add_argument("--json", action="store_true")
+
+
+def _serve(sched, requests: list, clients: int) -> tuple[float, dict]:
+    """Serve `requests` with `clients` of them in flight at once; (wall seconds, id -> result)."""
+    from ..serving.requests import GenerateRequest
+
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for i, req in enumerate(requests):
+        todo.put((i, req))
+    out: dict = {}
+
+    def client():
+        while True:
+            try:
+                i, req = todo.get_nowait()
+            except queue.Empty:
+                return
+            fresh = GenerateRequest(**{**req.__dict__, "request_id": f"{req.request_id}-{clients}"})
+            chunks = list(sched.submit(fresh))
+            out[i] = ([t for c in chunks for t in c.token_ids], chunks[-1].usage)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, out
+
+
+def run(args) -> dict:
+    from ..serving.inline import InlineBackend
+    from ..serving.requests import GenerateRequest
+    from ..settings import model_flags, serve_settings
+
+    levels = sorted({int(c) for c in args.concurrency.split(",")} | {1})
+    count = args.requests or max(levels)
+    settings = serve_settings(
+        **model_flags(args), cache_dir="none", max_batch=max(levels), max_active=max(levels)
+    )
+    settings = replace(settings, adaptive_width=int(args.adaptive_width))
+    requests = [
+        GenerateRequest(
+            prompt=PROMPTS[i % len(PROMPTS)],
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=i,
+            use_cache=False,
+            request_id=f"bench-{i}",
+        )
+        for i in range(count)
+    ]
+    backend = InlineBackend(settings)
+    try:
+        backend.ready(300)
+        sched = backend.scheduler
+        _serve(sched, requests[:1], 1)  # warm-up: compiled graphs, BLAS threads
+        rows, alone = [], None
+        # each level batched, then the largest one again without shared rounds (today's
+        # round-robin of one request's round at a time), in the same run
+        for clients, width in [(c, max(levels)) for c in levels] + [(max(levels), 1)]:
+            sched.max_batch = width  # read by the worker loop between rounds; idle here
+            wall, out = _serve(sched, requests, clients)
+            tokens = {i: toks for i, (toks, _) in out.items()}
+            if alone is None:
+                alone = tokens
+            usages = [u for _, u in out.values()]
+            total = sum(u.completion_tokens for u in usages)
+            rows.append(
+                {
+                    "concurrency": clients,
+                    "max_batch": width,
+                    "aggregate_tok_s": round(total / wall, 1),
+                    "per_request_tok_s": round(
+                        sum(u.completion_tokens / u.elapsed_s for u in usages) / len(usages), 1
+                    ),
+                    "ttft_ms": round(1000 * sum(u.ttft_s for u in usages) / len(usages), 1),
+                    "tau": round(sum(u.tau for u in usages) / len(usages), 3),
+                    "completion_tokens": total,
+                    "wall_s": round(wall, 3),
+                    "outputs_equal_alone": tokens == alone,
+                }
+            )
+        base = rows[0]["aggregate_tok_s"]
+        for row in rows:
+            row["aggregate_vs_one"] = round(row["aggregate_tok_s"] / base, 2)
+        top = rows[len(levels) - 1]["aggregate_tok_s"]
+        return {
+            "requests": count,
+            "max_tokens": args.max_tokens,
+            "block_size": backend.verifier.decoder.block_size,
+            "temperature": args.temperature,
+            "adaptive_width": bool(args.adaptive_width),
+            "levels": rows,
+            "all_outputs_equal_alone": all(r["outputs_equal_alone"] for r in rows),
+            "batched_vs_unbatched_at_most": round(top / rows[-1]["aggregate_tok_s"], 2),
+        }
+    finally:
+        backend.close()

@@ -1,0 +1,137 @@
+"""One target forward over several sequences' blocks (the verify of a batched round), and one
+drafter body forward over their draft blocks.
+
+Each sequence keeps its own caches (attention KV of its own length and format, GDN state of
+batch 1), so nothing about a sequence changes when it joins or leaves a batch. For the forward,
+the rows of every sequence's block go through the dense parts of the model together ([N, L, H]:
+projections, MLPs, norms, the LM head, the GDN math with the states stacked on the batch axis);
+attention layers run per sequence on its own cache (different lengths, fp16 or 8-bit KV), as a
+solo verify runs them. Every row then computes what it computes alone: the batch axis only adds
+independent rows to the same kernels (tests/test_batch.py checks outputs token for token).
+
+Knows nothing about drafters, scheduling, Ray or gRPC.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.cache import QuantizedKVCache
+
+from .drafter import ContextCache, DraftBody, block_attention_mask
+from .gdn import GDNTape, _math_for, _one_chunk_tape
+from .target import DequantizedView, Target, VerifyTape, cache_offset
+
+
+def verify_batch(
+    target: Target, blocks: mx.array, caches: list[list], tap_ids: tuple[int, ...]
+) -> list[tuple[mx.array, mx.array, VerifyTape]]:
+    """Run N draft blocks ([N, L] ints: each an anchor + drafts) on their N caches in one
+    forward; returns per sequence what `Target.verify` returns for its block alone."""
+    N, L = blocks.shape
+    starts = [cache_offset(c) for c in caches]
+    tapes: list[list[GDNTape]] = [[] for _ in range(N)]
+    h = target.embed_tokens(blocks)  # [N, L, H]
+    first = target._first_attn
+    masks = [create_attention_mask(h[:1], c[first]) if first is not None else None for c in caches]
+    wanted: dict[int, mx.array | None] = {layer_id: None for layer_id in tap_ids}
+    for i, layer in enumerate(target.layers):
+        x = layer.input_layernorm(h)
+        layer_caches = [c[i] for c in caches]
+        if target.is_gdn[i]:
+            r = _gdn_batch(layer.linear_attn, x, layer_caches, tapes)
+        else:
+            rows = []
+            for n, c in enumerate(layer_caches):
+                if target.dequantize_q8 and isinstance(c, QuantizedKVCache):
+                    c = DequantizedView(c)
+                rows.append(layer.self_attn(x[n : n + 1], masks[n], c))
+            r = mx.concatenate(rows, axis=0)
+        h = target._residual_mlp(layer, h, r)
+        if i in wanted:
+            wanted[i] = h
+    logits = target.lm_head(target.norm(h))  # [N, L, V]
+    taps = mx.concatenate([wanted[i] for i in tap_ids], axis=-1) if tap_ids else None
+    return [
+        (logits[n], taps[n] if taps is not None else None, VerifyTape(starts[n], L, tapes[n]))
+        for n in range(N)
+    ]
+
+
+def _gdn_batch(mod, x: mx.array, caches: list, tapes: list[list[GDNTape]]) -> mx.array:
+    """`gdn.gdn_forward` with a tape, over N sequences whose batch-1 states are stacked."""
+    N, S, _ = x.shape
+    convs, states = [], []
+    for c in caches:
+        conv, state = c[0], c[1]
+        if conv is None:
+            conv = mx.zeros((1, mod.conv_kernel_size - 1, mod.conv_dim), dtype=x.dtype)
+        if state is None:
+            state = mx.zeros((1, mod.num_v_heads, mod.head_v_dim, mod.head_k_dim), mx.float32)
+        convs.append(conv)
+        states.append(state)
+    state_in = mx.concatenate(states, axis=0)  # [N, Hv, Dv, Dk]
+    conv_state = mx.concatenate(convs, axis=0)  # [N, K-1, conv_dim]
+    out, conv_input, state, extra = _math_for(mod, True, S)(x, conv_state, state_in)
+    one_chunk = _one_chunk_tape(mod, S)
+    for n, c in enumerate(caches):
+        row = slice(n, n + 1)
+        c[0] = conv_input[row, -(mod.conv_kernel_size - 1) :, :]
+        c[1] = state[row]
+        c.advance(S)
+        entry = GDNTape(c, conv_input[row], state_in[row], S)
+        parts = tuple(t[row] for t in extra)
+        if one_chunk:
+            entry.chunk_parts = parts
+        else:
+            entry.inputs = parts
+        tapes[n].append(entry)
+    return out
+
+
+def draft_batch(
+    body: DraftBody,
+    caches: list[list[ContextCache]],
+    new_taps: list[mx.array | None],  # each [C_n, n_taps * H_target] or None
+    block_embeds: mx.array,  # [N, L, H]
+    starts: list[int],  # each sequence's anchor position
+) -> mx.array:  # [N, L, H]
+    """`DraftBody.__call__` over N sequences at once: their new context rows go into each
+    sequence's own context cache, then the N blocks run the layers together (attention per
+    sequence on its own context, as `verify_batch` does for the target)."""
+    keep = body.context_rows_needed()
+    for taps, start, cache in zip(new_taps, starts, caches):
+        if taps is None or taps.shape[0] == 0:
+            continue
+        if keep is not None:
+            taps = taps[-keep:]
+        ctx = body.hidden_norm(body.fc(taps[None]))
+        for layer, c in zip(body.layers, cache):
+            layer.self_attn.add_context(ctx, start - taps.shape[0], c)
+    h = block_embeds
+    if body.cfg.input_embedding_scale != 1.0:
+        h = h * body.cfg.input_embedding_scale
+    for i, layer in enumerate(body.layers):
+        layer_caches = [c[i] for c in caches]
+        h = layer.run(h, lambda y, a=layer.self_attn, cs=layer_caches: _attend(a, y, starts, cs))
+    return body.norm(h)
+
+
+def _attend(attn, x: mx.array, starts: list[int], caches: list[ContextCache]) -> mx.array:
+    """`DraftAttention.__call__` for N blocks: projections batched, the rest per sequence."""
+    N, L, _ = x.shape
+    q_all = attn.q_norm(attn.q_proj(x).reshape(N, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+    k_all = attn.k_norm(attn.k_proj(x).reshape(N, L, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+    v_all = attn.v_proj(x).reshape(N, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    outs = []
+    for n, (start, cache) in enumerate(zip(starts, caches)):
+        q = attn.rope(q_all[n : n + 1], offset=start)
+        k, v = attn.rope(k_all[n : n + 1], offset=start), v_all[n : n + 1]
+        num_ctx = cache.num_rows
+        if num_ctx:
+            ck, cv = cache.fetch()
+            k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
+        mask = block_attention_mask(num_ctx, L, attn.causal, attn.window)
+        outs.append(scaled_dot_product_attention(q, k, v, cache=None, scale=attn.scale, mask=mask))
+    out = mx.concatenate(outs, axis=0)  # [N, heads, L, d]
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(N, L, -1))

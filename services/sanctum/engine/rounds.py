@@ -1,0 +1,102 @@
+"""Batched rounds: one round of each of N sequences, their blocks drafted in one drafter body
+forward and verified in one target forward (engine/batch.py). Each sequence keeps its own
+caches, key, block and acceptance, so what it commits is what `Decoder.step` commits for it
+alone; a sequence that cannot draft takes a plain step without holding back the others.
+
+Knows nothing about scheduling, Ray or gRPC.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from . import cuda
+from .batch import verify_batch
+from .peer import DraftUnavailable
+from .speculative import Decoder, RoundStats, Sequence, Step
+from .target import cache_offset
+
+
+class BatchDecoder(Decoder):
+    """A Decoder that can also step several sequences in one round (`step_batch`)."""
+
+    def step_batch(self, seqs: list[Sequence], keys: list[mx.array]) -> list[Step]:
+        """One round of each sequence: the blocks of one width (all of them, unless adaptive
+        width shrank some) drafted in one drafter forward and verified in ONE target forward.
+        Each sequence's output is what `step` gives it alone: its own key, width, acceptance,
+        commit and rollback. Sequences that cannot draft now (a drafter that is down) take a
+        plain step instead."""
+        if self.peer is None or self.block_size <= 1 or self.profile or len(seqs) < 2:
+            return [self.step(seq, key) for seq, key in zip(seqs, keys)]
+        steps: dict[int, Step] = {}
+        groups: dict[int, list[int]] = {}  # width -> indices of the sequences drafting it
+        for i, seq in enumerate(seqs):
+            groups.setdefault(self.width(seq), []).append(i)
+        for width, idx in groups.items():
+            self._group_round(width, [seqs[i] for i in idx], [keys[i] for i in idx], idx, steps)
+        return [steps[i] for i in range(len(seqs))]
+
+    def _group_round(self, width, seqs, keys, idx, steps: dict) -> None:
+        drafted = []  # (index, seq, drafts [L-1], q, accept key)
+        t0 = time.perf_counter()
+        split = [mx.random.split(key) for key in keys]  # (draft key, accept key), as in `step`
+        proposals = self._draft_all(seqs, [k[0] for k in split])
+        for i, seq, key, proposal, (_, k_acc) in zip(idx, seqs, keys, proposals, split):
+            if proposal is None:  # as in `step`: a plain step, the drafter reopens later
+                steps[i] = self._plain_step(seq, key)
+            else:
+                drafted.append((i, seq, *proposal, k_acc))
+        t1 = time.perf_counter()
+        if not drafted:
+            return
+        blocks = [
+            mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
+            for _, seq, drafts, _, _ in drafted
+        ]
+        caches = [seq.cache for _, seq, _, _, _ in drafted]
+        outs = verify_batch(self.target, mx.stack(blocks), caches, self.tap_ids)
+        # the shared phases' wall time, split over the batch
+        draft_s, verify_s = (
+            (t - s) / len(drafted) for s, t in ((t0, t1), (t1, time.perf_counter()))
+        )
+        for (i, seq, drafts, q, k_acc), block, out in zip(drafted, blocks, outs):
+            stats = RoundStats(width, 0, 0, draft_s, verify_s)
+            steps[i] = self._settle(seq, block, drafts, q, out, k_acc, stats)
+
+    def _draft_all(self, seqs: list[Sequence], keys: list[mx.array]) -> list:
+        """(drafts, q) of each sequence, or None where it cannot draft now: one drafter body
+        forward and one head matmul for all when the peer drafts batches (in this process)."""
+        draft_batch = getattr(self.peer, "draft_batch", None)
+        if draft_batch is None or self.pipelined:
+            out = []
+            for seq, key in zip(seqs, keys):
+                try:
+                    out.append(self._draft(seq, seq.sampling, key))
+                except DraftUnavailable:
+                    seq.draft_open = False
+                    out.append(None)
+            return out
+        try:
+            for seq in seqs:
+                self._open_draft(seq)
+            embeds = mx.stack(
+                [self._block_embeds(s.anchor, self.width(s)) for s in seqs]
+            )  # [N, L, H]
+            taps = [seq.taps.unsent() for seq in seqs]
+            hidden = draft_batch(
+                [seq.seq_id for seq in seqs], taps, embeds, [cache_offset(s.cache) for s in seqs]
+            )  # [N, L-1, H]
+        except DraftUnavailable:
+            for seq in seqs:
+                seq.draft_open = False
+            return [None] * len(seqs)
+        N, R, H = hidden.shape
+        logits = self.head.logits(cuda.pad_rows(hidden.reshape(N * R, H)))[: N * R]
+        logits = logits.reshape(N, R, -1)  # [N, L-1, V]
+        out = []
+        for n, (seq, key) in enumerate(zip(seqs, keys)):
+            seq.taps.sent = seq.taps.end
+            out.append(self._propose(seq, hidden[n], logits[n], seq.sampling, key))
+        return out

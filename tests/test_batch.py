@@ -1,0 +1,294 @@
+"""Batched rounds (issue 15): several sequences' blocks verified in one target forward give
+every sequence exactly the tokens it gets served alone, whatever the mix of prompt lengths,
+KV formats, acceptance, early ends (EOS, max_tokens) and seeded sampling."""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import pytest
+from sanctum.engine.rounds import BatchDecoder
+from sanctum.engine.sampling import SamplingParams
+from sanctum.engine.speculative import LocalDraftPeer, generate, make_key
+from sanctum.engine.target import cache_offset
+from test_engine import load_pair, tokens_of
+
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "x = 1",
+    "import os\nimport sys\n\nclass Foo:\n    def __init__(self, a, b):\n        self.a = a\n",
+    "for i in range(10):\n    print(i)\n",
+]
+
+
+class ScriptedBatchDecoder(BatchDecoder):
+    """Proposes each sequence's known continuation, corrupted at a scripted row per round (row
+    L-1 or more: none), so every acceptance count is exercised, differently in each sequence."""
+
+    def __init__(self, target, drafter, references: dict, scripts: dict, **kw):
+        super().__init__(target, drafter, LocalDraftPeer(drafter), **kw)
+        self.references, self.scripts = references, scripts
+
+    def _draft(self, seq, params, key):
+        n, L = len(seq.completion), self.width(seq)
+        drafts = list(self.references[seq.seq_id][n : n + L - 1])
+        drafts += [0] * (L - 1 - len(drafts))
+        j = next(self.scripts[seq.seq_id])
+        if j < L - 1:
+            drafts[j] = (drafts[j] + 1) % self.target.vocab_size
+        return mx.array(drafts), None
+
+    def _draft_all(self, seqs, keys):
+        return [self._draft(seq, seq.sampling, key) for seq, key in zip(seqs, keys)]
+
+
+def solo(target, drafter, prompt, n, kv="fp16", eos=(), sampling=None, block=None):
+    ids = target.tokenizer.encode(prompt)
+    steps = generate(
+        target,
+        ids,
+        drafter=drafter,
+        max_tokens=n,
+        kv_mode=kv,
+        eos_ids=set(eos),
+        sampling=sampling,
+        block_size=block,
+    )
+    return tokens_of(steps)
+
+
+def run_batch(decoder, target, specs):
+    """specs: (seq_id, prompt, max_tokens, kv, eos, sampling); every open sequence steps in
+    one `step_batch` per round, leaving the batch when it finishes. Returns tokens by seq_id
+    and the batch widths seen."""
+    seqs, keys, out = [], {}, {}
+    for seq_id, prompt, n, kv, eos, sampling in specs:
+        sampling = sampling or SamplingParams()
+        seq = decoder.new_sequence(seq_id, kv, sampling, n, eos)
+        key = make_key(sampling.seed)
+        logits = decoder.prefill(seq, target.tokenizer.encode(prompt))
+        key, sub = mx.random.split(key)
+        out[seq_id] = list(decoder.start(seq, logits, sub).tokens)
+        keys[seq_id] = key
+        if seq.finished is None:
+            seqs.append(seq)
+    widths = []
+    while seqs:
+        subs = []
+        for seq in seqs:
+            keys[seq.seq_id], sub = mx.random.split(keys[seq.seq_id])
+            subs.append(sub)
+        widths.append(len(seqs))
+        for seq, step in zip(seqs, decoder.step_batch(seqs, subs)):
+            out[seq.seq_id] += step.tokens
+            assert cache_offset(seq.cache) == len(seq.cached_tokens)
+        for seq in [s for s in seqs if s.finished is not None]:
+            decoder.close(seq)
+        seqs = [s for s in seqs if s.finished is None]
+    return out, widths
+
+
+@pytest.mark.parametrize(
+    "kind,drafter_kind",
+    [("hybrid", "dflash"), ("hybrid", "dflash2"), ("dense", "dflash"), ("moe", "dflash2"),
+     ("next", "dflash")],
+)  # fmt: skip
+def test_batch_greedy_equals_solo_for_mixed_lengths_and_kv(make_pair, kind, drafter_kind):
+    target, drafter = load_pair(make_pair, kind, drafter_kind)
+    kvs = ["fp16", "q8", "fp16", "q8"]
+    lengths = [24, 17, 30, 9]  # the short ones leave the batch early
+    decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
+    specs = [
+        (f"s{i}", p, n, kv, (), None) for i, (p, n, kv) in enumerate(zip(PROMPTS, lengths, kvs))
+    ]
+    got, widths = run_batch(decoder, target, specs)
+    assert max(widths) == 4 and min(widths) < 4
+    for i, (p, n, kv) in enumerate(zip(PROMPTS, lengths, kvs)):
+        assert got[f"s{i}"] == solo(target, drafter, p, n, kv), f"sequence {i}"
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "next"])
+def test_batch_with_every_acceptance_and_eos_inside_an_accepted_run(make_pair, kind):
+    target, drafter = load_pair(make_pair, kind, "dflash")
+    L = 8
+    kvs = ["fp16", "q8", "fp16", "q8"]
+    refs = {f"s{i}": solo(target, None, p, 64, kvs[i]) for i, p in enumerate(PROMPTS)}
+    # s1 stops on an EOS inside a fully accepted block; s2 on max_tokens mid-block
+    eos_pos = next(j for j in range(9, 40) if refs["s1"][j] not in refs["s1"][:j])
+    eos = {refs["s1"][eos_pos]}
+    scripts = {
+        "s0": itertools.cycle(range(L)),
+        "s1": itertools.repeat(L - 1),
+        "s2": itertools.cycle([3, 7, 0, 5]),
+        "s3": itertools.cycle(range(L - 1, -1, -1)),
+    }
+    decoder = ScriptedBatchDecoder(target, drafter, refs, scripts, block_size=L)
+    specs = [
+        ("s0", PROMPTS[0], 48, "fp16", (), None),
+        ("s1", PROMPTS[1], 60, "q8", eos, None),
+        ("s2", PROMPTS[2], 13, "fp16", (), None),
+        ("s3", PROMPTS[3], 40, "q8", (), None),
+    ]
+    got, widths = run_batch(decoder, target, specs)
+    assert widths[0] == 4
+    assert got["s0"] == refs["s0"][:48]
+    assert got["s1"] == refs["s1"][:eos_pos]
+    assert got["s2"] == refs["s2"][:13]
+    assert got["s3"] == refs["s3"][:40]
+
+
+def test_seeded_sampling_in_a_batch_equals_the_seed_alone(make_pair):
+    target, drafter = load_pair(make_pair, "hybrid", "dflash2")
+    params = [SamplingParams(temperature=0.8, seed=s) for s in (1, 2, 3)]
+    params[2] = SamplingParams(temperature=1.0, top_k=20, seed=3)
+    decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
+    specs = [(f"s{i}", PROMPTS[i], 24, "fp16", (), p) for i, p in enumerate(params)]
+    got, _ = run_batch(decoder, target, specs)
+    for i, p in enumerate(params):
+        assert got[f"s{i}"] == solo(target, drafter, PROMPTS[i], 24, sampling=p), f"seed {p.seed}"
+
+
+def test_scheduler_batches_concurrent_requests_each_as_served_alone(make_pair):
+    """Inline serving with SANCTUM_MAX_BATCH=4: concurrent requests (different prompt lengths
+    and KV formats, one resumed from the prompt cache, one seeded sample, one cancelled
+    mid-stream) share rounds, and each gets exactly what it gets served alone."""
+    import threading
+
+    from sanctum.serving.inline import InlineBackend, RoundDelay
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.settings import serve_settings
+
+    target_dir, drafter_dir = (str(p) for p in make_pair("hybrid", "dflash2"))
+    settings = serve_settings(target_dir, drafter_dir, cache_dir="none", max_batch=4, env={})
+    backend = InlineBackend(settings, RoundDelay(0.02))
+    warm = GenerateRequest(prompt=PROMPTS[2], max_tokens=6)
+    requests = [
+        GenerateRequest(prompt=PROMPTS[0], max_tokens=30, use_cache=False),
+        GenerateRequest(prompt=PROMPTS[1], max_tokens=12, kv_mode="q8", use_cache=False),
+        GenerateRequest(prompt=PROMPTS[2] + "        return a", max_tokens=20),  # resumes
+        GenerateRequest(prompt=PROMPTS[3], max_tokens=25, temperature=0.8, seed=7, use_cache=False),
+    ]
+    try:
+        backend.ready(60)
+        sched = backend.scheduler
+        widths = []
+        step_batch = sched.verifier.step_batch
+
+        def counted(acts):
+            widths.append(len(acts))
+            return step_batch(acts)
+
+        sched.verifier.step_batch = counted
+
+        def served(tickets):
+            out = {}
+
+            def read(ticket):
+                chunks = list(ticket)
+                out[ticket.request_id] = ([t for c in chunks for t in c.token_ids], chunks[-1])
+
+            threads = [threading.Thread(target=read, args=(t,)) for t in tickets]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            return out
+
+        def fresh(req):  # the same request under a new id
+            return GenerateRequest(**{**req.__dict__, "request_id": req.request_id + "-b"})
+
+        list(sched.submit(warm))
+        alone = {}
+        for req in requests:
+            alone.update(served([sched.submit(req)]))
+        assert not widths  # one request at a time: no shared round
+        backend.clear_cache()
+        list(sched.submit(fresh(warm)))
+        batch = [fresh(r) for r in requests]
+        cancelled = sched.submit(GenerateRequest(prompt=PROMPTS[0], max_tokens=3000))
+        tickets = [sched.submit(r) for r in batch]
+        first = cancelled.items.get(timeout=60)  # its first chunk: then cancel it mid-stream
+        sched.cancel(cancelled.request_id)
+        together = served(tickets)
+        rest = list(cancelled)
+        assert first.token_ids and len(rest) < 3000
+        assert max(widths, default=0) == 4
+        for req, again in zip(requests, batch):
+            tokens, last = together[again.request_id]
+            assert tokens == alone[req.request_id][0], req.prompt
+            assert last.finish_reason == alone[req.request_id][1].finish_reason
+        resumed = together[batch[2].request_id][1].usage
+        assert (
+            resumed.resumed_at > 0
+            and resumed.resumed_at == alone[requests[2].request_id][1].usage.resumed_at
+        )
+    finally:
+        backend.close()
+
+
+def test_a_drafter_that_is_down_turns_the_batch_into_plain_steps(make_pair):
+    from sanctum.engine.peer import DraftUnavailable
+
+    target, drafter = load_pair(make_pair, "hybrid", "dflash")
+
+    class Flaky(LocalDraftPeer):
+        calls = 0
+
+        def draft_batch(self, *args):
+            Flaky.calls += 1
+            if Flaky.calls % 2:
+                raise DraftUnavailable("restarting")
+            return super().draft_batch(*args)
+
+    decoder = BatchDecoder(target, drafter, Flaky(drafter))
+    specs = [(f"s{i}", p, 20, "fp16", (), None) for i, p in enumerate(PROMPTS[:3])]
+    got, _ = run_batch(decoder, target, specs)
+    assert Flaky.calls > 2
+    for i, p in enumerate(PROMPTS[:3]):
+        assert got[f"s{i}"] == solo(target, drafter, p, 20), f"sequence {i}"
+
+
+def test_adaptive_width_shrinks_a_rejected_sequence_without_holding_back_the_others(make_pair):
+    target, drafter = load_pair(make_pair, "hybrid", "dflash")
+    L = 8
+    refs = {f"s{i}": solo(target, None, p, 40) for i, p in enumerate(PROMPTS[:3])}
+    scripts = {
+        "s0": itertools.repeat(0),  # every first draft wrong: its blocks shrink to 2
+        "s1": itertools.repeat(L - 1),  # all accepted: stays at 8
+        "s2": itertools.cycle([0, 0, 99, 99, 99, 99]),  # shrinks, then grows back
+    }
+    decoder = ScriptedBatchDecoder(target, drafter, refs, scripts, block_size=L)
+    decoder.adaptive = True
+    seen: dict = {}
+    settle = decoder._settle
+
+    def watched(seq, *args):
+        step = settle(seq, *args)
+        seen.setdefault(seq.seq_id, []).append(step.stats.bs)
+        return step
+
+    decoder._settle = watched
+    specs = [(f"s{i}", p, 40, "fp16", (), None) for i, p in enumerate(PROMPTS[:3])]
+    got, _ = run_batch(decoder, target, specs)
+    for i in range(3):
+        assert got[f"s{i}"] == refs[f"s{i}"], f"sequence {i}"
+    assert seen["s0"][:3] == [8, 4, 2] and set(seen["s0"][2:]) == {2}
+    assert set(seen["s1"]) == {8}
+    assert 2 in seen["s2"] and 8 in seen["s2"][seen["s2"].index(2) :]
+
+
+def test_adaptive_width_seeded_sampling_in_a_batch_equals_alone(make_pair):
+    target, drafter = load_pair(make_pair, "hybrid", "dflash2")
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (4, 5, 6)]
+
+    def decoder():
+        d = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
+        d.adaptive = True
+        return d
+
+    specs = [(f"s{i}", PROMPTS[i], 30, "fp16", (), p) for i, p in enumerate(params)]
+    got, _ = run_batch(decoder(), target, specs)
+    for spec in specs:
+        alone, _ = run_batch(decoder(), target, [spec])
+        assert got[spec[0]] == alone[spec[0]], spec[0]
