@@ -24,6 +24,7 @@ from sanctum.settings import serve_settings
 
 CONF = Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "sanctum.conf"
 TOKEN = "proxy-test-token"
+PROXIED_HTTP = {}  # the proxy's HTTP address, set by the `proxy` fixture
 
 
 def _installed_nginx() -> str | None:
@@ -63,6 +64,7 @@ def upstream(make_pair, tmp_path_factory):
                                            max_active=2, env={}), RoundDelay(0.01))  # fmt: skip
     srv = Server(backend, "127.0.0.1", 0, max_streams=8, access=Access(token=TOKEN))
     srv.ready(120)
+    srv.start_http(0)
     yield srv
     srv.stop(0)
     backend.close()
@@ -75,9 +77,12 @@ def proxy(upstream, tmp_path_factory):
     if binary is None:
         pytest.skip("nginx is not installed and cannot be installed here (not root, no apt-get)")
     work = tmp_path_factory.mktemp("nginx")
-    port = _free_port()
+    port, http_port = _free_port(), _free_port()
     site = CONF.read_text().replace("127.0.0.1:1337", upstream.address)
-    site = site.replace("listen 127.0.0.1:8080", f"listen 127.0.0.1:{port}")
+    site = site.replace("server 127.0.0.1:8080;", f"server 127.0.0.1:{upstream.http_port};")
+    site = site.replace("listen 127.0.0.1:9337", f"listen 127.0.0.1:{port}")
+    site = site.replace("listen 127.0.0.1:9080", f"listen 127.0.0.1:{http_port}")
+    assert str(port) in site and str(http_port) in site and str(upstream.http_port) in site
     (work / "sanctum.conf").write_text(site)
     (work / "nginx.conf").write_text(f"""
 daemon off;
@@ -102,6 +107,7 @@ http {{
                     break
             assert proc.poll() is None, proc.stdout.read().decode()
             time.sleep(0.1)
+        PROXIED_HTTP["url"] = f"http://127.0.0.1:{http_port}/v1"
         yield f"127.0.0.1:{port}"
     finally:
         proc.terminate()  # the nginx master this fixture started (it stops its worker)
@@ -137,6 +143,28 @@ def test_streaming_through_the_proxy_equals_direct(client, upstream):
     with Client(client.target) as no_token, pytest.raises(grpc.RpcError) as err:
         list(no_token.generate("hi", max_tokens=2, timeout=10))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # the metadata reached the server
+
+
+def test_openai_streaming_through_the_proxy(proxy, upstream):
+    """The HTTP server block: the openai client through nginx gets the server's own text, its
+    server-sent events as they are made (not buffered to the end), and the token checked."""
+    import openai
+
+    direct = openai.OpenAI(base_url=f"http://127.0.0.1:{upstream.http_port}/v1", api_key=TOKEN)
+    proxied = openai.OpenAI(base_url=PROXIED_HTTP["url"], api_key=TOKEN, max_retries=0)
+    args = dict(model="sanctum", prompt="class Stack:", max_tokens=64)
+    want = direct.completions.create(**args).choices[0].text
+    t0, arrivals, parts = time.monotonic(), [], []
+    for event in proxied.completions.create(**args, stream=True):
+        if event.choices and event.choices[0].text:
+            arrivals.append(time.monotonic() - t0)
+            parts.append(event.choices[0].text)
+    total = time.monotonic() - t0
+    assert "".join(parts) == want
+    assert len(arrivals) > 3 and arrivals[0] < 0.6 * total, (arrivals, total)
+    wrong = openai.OpenAI(base_url=PROXIED_HTTP["url"], api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(**args)
 
 
 def test_deadline_and_cancel_through_the_proxy_free_the_sequence(client):
