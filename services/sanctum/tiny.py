@@ -43,6 +43,11 @@ _MOE = dict(
 )
 
 
+# the tiny DFlash 2 drafters' dynamic convolutions and selector (small shapes, any layout)
+TINY_DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=32, selector_top_k=8,
+                    input_embedding_scale=1.0)  # fmt: skip
+
+
 def target_config(kind: str, vocab: int, eos_id: int, hidden: int = 128, layers: int = 8) -> dict:
     """An HF-style config.json for a tiny target of the given kind."""
     common = dict(
@@ -245,13 +250,7 @@ def drafter_config(kind: str, target_dir: Path, block_size: int = 8, layers: int
     }
     if kind == "dflash2":
         cfg["dflash_config"].update(
-            conv_kernel_size=2,
-            conv_group_size=16,
-            selector_rank=32,
-            selector_top_k=8,
-            input_embedding_scale=1.0,
-            output_multiplier=1.0,
-            final_logit_softcapping=30.0,
+            TINY_DFLASH2, output_multiplier=1.0, final_logit_softcapping=30.0
         )
     elif kind != "dflash":
         raise ValueError(f"unknown drafter kind {kind!r} (choose from {DRAFTER_KINDS})")
@@ -271,14 +270,7 @@ def _dflash2(cfg: dict) -> dict:
     cfg.pop("rope_theta")
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
     cfg["dflash_config"].update(
-        block_size=16,
-        conv_kernel_size=2,
-        conv_group_size=16,
-        selector_rank=32,
-        selector_top_k=8,
-        input_embedding_scale=1.0,
-        output_multiplier=0.7,
-        final_logit_softcapping=20.0,
+        TINY_DFLASH2, block_size=16, output_multiplier=0.7, final_logit_softcapping=20.0
     )
     return cfg
 
