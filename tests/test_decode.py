@@ -276,15 +276,33 @@ def _standin(q, k, v, g, beta, state):
     return gated_delta_ops(q, k, v, g, beta, state)
 
 
+def _standin_rows(q, k, v, g, beta, state, keep_rows=False, skew=0.0):
+    """The kernel's contract with its per-row states, in pure MLX (one step at a time)."""
+    if not keep_rows:
+        return gated_delta_ops(q, k, v, g, beta, state)
+    ys, rows = [], []
+    for t in range(q.shape[1]):
+        y, state = gated_delta_ops(*(x[:, t : t + 1] for x in (q, k, v, g, beta)), state)
+        ys.append(y)
+        rows.append(state + skew * t)
+    return mx.concatenate(ys, axis=1), state, mx.stack(rows, axis=1)
+
+
 def test_block_kernel_check_accepts_the_reference_and_catches_a_bad_one():
-    assert gdn_cuda.check(_standin, 2, 4, 32, 32, mx.float32) is None
-    assert gdn_cuda.check(_standin, 2, 4, 32, 32, mx.bfloat16) is None
+    assert gdn_cuda.check(_standin_rows, 2, 4, 32, 32, mx.float32) is None
+    assert gdn_cuda.check(_standin_rows, 2, 4, 32, 32, mx.bfloat16) is None
+    assert gdn_cuda.check(_standin, 2, 4, 32, 32, mx.float32, keep_rows=False) is None
 
     def off_by_a_bit(q, k, v, g, beta, state):
         y, s = gated_delta_ops(q, k, v, g, beta, state)
         return y * 1.1, s
 
-    assert "max |dy|" in gdn_cuda.check(off_by_a_bit, 2, 4, 32, 32, mx.float32)
+    assert "max |dy|" in gdn_cuda.check(off_by_a_bit, 2, 4, 32, 32, mx.float32, keep_rows=False)
+
+    def rows_off(*args, keep_rows=False):  # right y and final state, a wrong middle row
+        return _standin_rows(*args, keep_rows=keep_rows, skew=1e-2)
+
+    assert "max |dstate|" in gdn_cuda.check(rows_off, 2, 4, 32, 32, mx.float32)
     assert gdn_cuda.supported(16, 48, 128, 128) and not gdn_cuda.supported(16, 48, 100, 128)
 
 
@@ -319,6 +337,43 @@ def test_block_kernel_dispatch_rolls_back_exactly(pair, monkeypatch):
         target.rollback(cache, tape, keep)
         got, _ = target.forward(mx.array([7]), cache)
         want, _ = target.forward(mx.array(ids + block[:keep] + [7]), target.make_cache())
+        np.testing.assert_allclose(np.array(got[-1]), np.array(want[-1]), atol=1e-4, rtol=1e-4)
+    plain = tokens_of(generate(target, ids, max_tokens=32, eos_ids=set()))
+    assert tokens_of(generate(target, ids, drafter=drafter, max_tokens=32, eos_ids=set())) == plain
+
+
+def test_block_kernel_row_states_roll_back_exactly(pair, monkeypatch):
+    """A block kernel that keeps every row's state (the CUDA kernel's taped variant): a verify
+    tapes those states, a rollback to any keep copies one (no re-run) and matches a fresh
+    forward; the batched verify tapes them per sequence; speculative greedy equals plain."""
+    from sanctum.engine.batch import verify_batch
+
+    target, drafter = pair
+    monkeypatch.setattr(gdn, "BLOCK_KERNEL", _standin_rows)
+    monkeypatch.setattr(gdn, "BLOCK_KERNEL_KEEPS_ROWS", True)
+    ids = target.tokenizer.encode(PROMPT)
+    block = [int(t) for t in np.random.default_rng(0).integers(10, 400, size=8)]
+    taps = drafter.cfg.target_layer_ids
+    for keep in (0, 1, 3, 7):
+        cache = target.make_cache()
+        target.prefill(ids, cache)
+        _, _, tape = target.verify(mx.array(block), cache, taps)
+        assert all(t.row_states is not None and t.inputs is None for t in tape.gdn)
+        target.rollback(cache, tape, keep)
+        got, _ = target.forward(mx.array([7]), cache)
+        want, _ = target.forward(mx.array(ids + block[:keep] + [7]), target.make_cache())
+        np.testing.assert_allclose(np.array(got[-1]), np.array(want[-1]), atol=1e-4, rtol=1e-4)
+    caches = [target.make_cache(), target.make_cache()]
+    for c, n in zip(caches, (len(ids), len(ids) - 5)):
+        target.prefill(ids[:n], c)
+    outs = verify_batch(target, mx.array([block, block[::-1]]), caches, taps)
+    for c, (_, _, tape), n, blk in zip(
+        caches, outs, (len(ids), len(ids) - 5), (block, block[::-1])
+    ):
+        assert all(t.row_states.shape[0] == 1 for t in tape.gdn)
+        target.rollback(c, tape, 4)
+        got, _ = target.forward(mx.array([7]), c)
+        want, _ = target.forward(mx.array(ids[:n] + blk[:4] + [7]), target.make_cache())
         np.testing.assert_allclose(np.array(got[-1]), np.array(want[-1]), atol=1e-4, rtol=1e-4)
     plain = tokens_of(generate(target, ids, max_tokens=32, eos_ids=set()))
     assert tokens_of(generate(target, ids, drafter=drafter, max_tokens=32, eos_ids=set())) == plain

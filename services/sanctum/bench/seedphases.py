@@ -65,7 +65,9 @@ def layer_phases(target: Target, cache: list, rows=(1, 4, 8, 16), reps: int = 8)
                 c2 = _copy_gdn_cache(c)
                 tape = [] if L > 1 else None  # a verify keeps its tape
                 y = gdn.gdn_forward(layer.linear_attn, layer.input_layernorm(x), c2, tape)
-                extra = [a for t in tape or [] for a in (t.chunk_parts or t.inputs or ())]
+                extra = [
+                    a for t in tape or [] for a in (t.chunk_parts or t.inputs or (t.row_states,))
+                ]
                 return [y, c2[0], c2[1], *extra]
 
             out["gdn_mixer"][L] = per_call_ms(run_gdn, reps)

@@ -19,7 +19,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import QuantizedKVCache
 
 from .drafter import ContextCache, DraftBody, block_attention_mask
-from .gdn import GDNTape, _math_for, _one_chunk_tape
+from .gdn import GDNTape, _math_for, tape_entry
 from .target import DequantizedView, Target, VerifyTape, cache_offset
 
 
@@ -73,19 +73,13 @@ def _gdn_batch(mod, x: mx.array, caches: list, tapes: list[list[GDNTape]]) -> mx
     state_in = mx.concatenate(states, axis=0)  # [N, Hv, Dv, Dk]
     conv_state = mx.concatenate(convs, axis=0)  # [N, K-1, conv_dim]
     out, conv_input, state, extra = _math_for(mod, True, S)(x, conv_state, state_in)
-    one_chunk = _one_chunk_tape(mod, S)
     for n, c in enumerate(caches):
         row = slice(n, n + 1)
         c[0] = conv_input[row, -(mod.conv_kernel_size - 1) :, :]
         c[1] = state[row]
         c.advance(S)
-        entry = GDNTape(c, conv_input[row], state_in[row], S)
         parts = tuple(t[row] for t in extra)
-        if one_chunk:
-            entry.chunk_parts = parts
-        else:
-            entry.inputs = parts
-        tapes[n].append(entry)
+        tapes[n].append(tape_entry(mod, c, conv_input[row], state_in[row], S, parts))
     return out
 
 

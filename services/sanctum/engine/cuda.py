@@ -90,6 +90,7 @@ def prepare(gdn_shapes: set[tuple[int, int, int, int]], dtype: mx.Dtype) -> None
         print(f"sanctum: GDN CUDA kernel disabled: {'; '.join(problems)}", file=sys.stderr)
         return
     gdn.BLOCK_KERNEL = gdn_cuda.gated_delta_cuda
+    gdn.BLOCK_KERNEL_KEEPS_ROWS = True  # checked with its per-row states too
     gdn.BLOCK_KERNEL_IN_COMPILE = "eager only" not in (_checked[(*s, dtype)] for s in gdn_shapes)
     log.info("GDN block kernel checked on %s (%s): in use", sorted(gdn_shapes), dtype)
 
@@ -97,7 +98,7 @@ def prepare(gdn_shapes: set[tuple[int, int, int, int]], dtype: mx.Dtype) -> None
 def verdict(shape: tuple[int, int, int, int], dtype: mx.Dtype) -> str | None:
     """gdn_cuda.verdict for this GPU, from a child process, remembered on disk."""
     name = str(dtype).rsplit(".", 1)[-1]
-    source = hashlib.sha1(gdn_cuda._SOURCE.encode()).hexdigest()[:12]
+    source = hashlib.sha1(gdn_cuda.SOURCES[True].encode()).hexdigest()[:12]
     key = f"mlx {mx.__version__} kernel {source} {list(shape)} {name}"
     path = Path(os.environ.get("SANCTUM_HOME", Path.home() / ".cache" / "sanctum"))
     path = path / "cuda-checks.json"

@@ -14,8 +14,8 @@ form below — a few [C, C] and [C, D] matmuls per chunk instead of one tiny ker
 (measured on this CPU: 8 rows 0.36 ms vs 1.45 ms, 512 rows 75 ms vs 247 ms, per layer; same
 values to ~1e-7). On Apple GPUs mlx-lm's Metal kernel runs every shape. On CUDA a block of
 2..BLOCK_KERNEL_MAX_ROWS rows goes through `BLOCK_KERNEL` (gdn_cuda.py) once engine/cuda.py has
-checked it on this GPU; its tape then keeps the recurrence inputs, and a rollback re-runs the
-kernel over the kept rows.
+checked it on this GPU; its taped variant writes the state after every row, so a rollback
+copies one of them (one small op per layer, no re-run of the recurrence).
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ _compiled: dict = {}
 BLOCK_KERNEL = None
 BLOCK_KERNEL_MAX_ROWS = 64
 BLOCK_KERNEL_IN_COMPILE = True  # False: passes that use it run op by op (it failed in compile)
+# The kernel also takes `keep_rows=True` and then returns the state after every row: a taped
+# pass keeps those, and a rollback copies one instead of re-running the recurrence.
+BLOCK_KERNEL_KEEPS_ROWS = False
 # Prefill (untaped multi-row passes) through mlx-lm's own recurrence, the token loop off Apple
 # GPUs: a bf16 prefill is then bit for bit mlx-lm's (the chunked form's float32 sums differ in
 # the last bits, which a bf16 model can carry into a different token). Slower; for checks.
@@ -58,8 +61,10 @@ class GDNTape:
     num_rows: int
     # either the chunked pass's own intermediates (k [B,H,C,Dk], cumulative log-decay [B,H,C],
     # corrected values v_new [B,H,C,Dv]): the state after any row is then one small matmul;
+    # or the state after every row ([B, S, Hv, Dv, Dk], from a block kernel that keeps rows);
     # or (Metal kernel path) the recurrence inputs (q, k, v, log_g, beta) to recompute it
     chunk_parts: tuple | None = None
+    row_states: mx.array | None = None
     inputs: tuple | None = None
 
     def state_at(self, keep: int) -> tuple[mx.array, mx.array]:
@@ -70,6 +75,8 @@ class GDNTape:
             return conv, self.state_in
         if self.chunk_parts is not None:
             return conv, _state_after_compiled(keep)(self.state_in, *self.chunk_parts)
+        if self.row_states is not None:  # a copy (take), so the rows' buffer is not kept alive
+            return conv, mx.take(self.row_states, mx.array(keep - 1), axis=1)
         return conv, recurrence(*(t[:, :keep] for t in self.inputs), self.state_in)[1]
 
     def rollback(self, keep: int) -> None:
@@ -117,6 +124,23 @@ def _block_kernel(rows: int):
 def _one_chunk_tape(mod: nn.Module, rows: int) -> bool:
     """A taped pass that fits one chunk keeps the chunk's intermediates (rollback = one matmul)."""
     return not _kernel_for(mod.head_k_dim) and _block_kernel(rows) is None and 1 < rows <= CHUNK
+
+
+def _row_states_tape(rows: int) -> bool:
+    """A taped pass through a block kernel that keeps every row's state (rollback = a copy)."""
+    return BLOCK_KERNEL_KEEPS_ROWS and _block_kernel(rows) is not None
+
+
+def tape_entry(mod: nn.Module, cache, conv_input, state_in, rows: int, extra: tuple) -> GDNTape:
+    """The GDNTape of a taped pass over `rows` rows, from what `_gdn_math` returned as extra."""
+    entry = GDNTape(cache, conv_input, state_in, rows)
+    if _one_chunk_tape(mod, rows):
+        entry.chunk_parts = tuple(extra)
+    elif _row_states_tape(rows):
+        entry.row_states = extra[0]
+    else:
+        entry.inputs = tuple(extra)
+    return entry
 
 
 def recurrence(q, k, v, log_g, beta, state):
@@ -271,9 +295,13 @@ def _gdn_math(mod: nn.Module, x: mx.array, conv_state: mx.array, state_in: mx.ar
             # the kernel takes float32: cast here (fused), and tape the casts, so that a
             # rollback's re-run launches the kernel alone
             q, k, v, beta = (t.astype(mx.float32) for t in (q, k, v, beta))
-        y, state = recurrence(q, k, v, log_g, beta, state_in)
+        if taped and _row_states_tape(S):
+            y, state, rows = BLOCK_KERNEL(q, k, v, mx.exp(log_g), beta, state_in, keep_rows=True)
+            extra = (rows,)
+        else:
+            y, state = recurrence(q, k, v, log_g, beta, state_in)
+            extra = (q, k, v, log_g, beta) if taped else ()
         y = y.astype(x.dtype)  # a no-op but after the kernel
-        extra = (q, k, v, log_g, beta) if taped else ()
     out = mod.out_proj(mod.norm(y, z).reshape(B, S, -1))
     return out, conv_input, state, extra
 
@@ -281,7 +309,14 @@ def _gdn_math(mod: nn.Module, x: mx.array, conv_state: mx.array, state_in: mx.ar
 def _math_for(mod: nn.Module, taped: bool, rows: int):
     if rows > COMPILE_MAX_ROWS or (not BLOCK_KERNEL_IN_COMPILE and _block_kernel(rows)):
         return lambda *a: _gdn_math(mod, *a, taped)
-    key = (id(mod), taped, taped and _one_chunk_tape(mod, rows), id(BLOCK_KERNEL), MLX_LM_PREFILL)
+    key = (
+        id(mod),
+        taped,
+        taped and _one_chunk_tape(mod, rows),
+        id(BLOCK_KERNEL),
+        taped and _row_states_tape(rows),
+        MLX_LM_PREFILL,
+    )
     if key not in _compiled:
         _compiled[key] = mx.compile(lambda x, conv, state: _gdn_math(mod, x, conv, state, taped))
     return _compiled[key]
@@ -301,10 +336,5 @@ def gdn_forward(mod: nn.Module, x: mx.array, cache, tape: list | None = None) ->
     cache[1] = state
     cache.advance(S)
     if tape is not None:
-        entry = GDNTape(cache, conv_input, state_in, S)
-        if _one_chunk_tape(mod, S):
-            entry.chunk_parts = tuple(extra)
-        else:
-            entry.inputs = tuple(extra)
-        tape.append(entry)
+        tape.append(tape_entry(mod, cache, conv_input, state_in, S, extra))
     return out

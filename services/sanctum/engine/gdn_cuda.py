@@ -63,6 +63,7 @@ _SOURCE = """
       if (lane == 0) {
         *y_ = out;
       }
+      SAVE_ROW
       q_ += Hk * Dk;
       k_ += Hk * Dk;
       v_ += Hv * Dv;
@@ -74,7 +75,17 @@ _SOURCE = """
       s_out[i] = s[i];
     }
 """
-_kernel = None
+# The taped variant also writes the state after every row ([B, T, Hv, Dv, Dk]): a rollback to
+# `keep` rows is then a copy of row keep-1, not a re-run of the recurrence (25 MB a layer at the
+# seed's shapes and 8 rows, written once, against a launch per layer at every rollback).
+_SAVE_ROW = """{
+        float* r_ = row_states + ((((size_t)b * n_steps + t) * Hv + hv) * Dv + dv) * Dk + NPT * lane;
+        for (int i = 0; i < NPT; ++i) {
+          r_[i] = s[i];
+        }
+      }"""
+SOURCES = {False: _SOURCE.replace("SAVE_ROW", ""), True: _SOURCE.replace("SAVE_ROW", _SAVE_ROW)}
+_kernels: dict = {}
 ROWS_PER_BLOCK = 4  # value rows (warps) per thread block
 
 
@@ -90,20 +101,22 @@ def gated_delta_cuda(
     g: mx.array,  # [B, T, Hv] decay (linear space)
     beta: mx.array,  # [B, T, Hv]
     state: mx.array,  # [B, Hv, Dv, Dk]
-) -> tuple[mx.array, mx.array]:
-    """(y [B, T, Hv, Dv], state [B, Hv, Dv, Dk] float32); CUDA only."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="sanctum_gated_delta",
+    keep_rows: bool = False,
+) -> tuple[mx.array, ...]:
+    """(y [B, T, Hv, Dv], state [B, Hv, Dv, Dk] float32), and with `keep_rows` the state after
+    every row (row_states [B, T, Hv, Dv, Dk] float32); CUDA only."""
+    kernel = _kernels.get(keep_rows)
+    if kernel is None:
+        kernel = _kernels[keep_rows] = mx.fast.cuda_kernel(
+            name="sanctum_gated_delta_rows" if keep_rows else "sanctum_gated_delta",
             input_names=["q", "k", "v", "g", "beta", "state_in", "steps"],
-            output_names=["y", "state_out"],
-            source=_SOURCE,
+            output_names=["y", "state_out"] + (["row_states"] if keep_rows else []),
+            source=SOURCES[keep_rows],
         )
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
     f32 = mx.float32  # all in float32: the casts are a few small fused ops, the kernel one type
-    y, state_out = _kernel(
+    outs = kernel(
         inputs=[
             q.astype(f32),
             k.astype(f32),
@@ -116,10 +129,11 @@ def gated_delta_cuda(
         template=[("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
         grid=(32, Dv, B * Hv),
         threadgroup=(32, ROWS_PER_BLOCK, 1),
-        output_shapes=[(B, T, Hv, Dv), (B, Hv, Dv, Dk)],
-        output_dtypes=[f32, f32],
+        output_shapes=[(B, T, Hv, Dv), (B, Hv, Dv, Dk)]
+        + ([(B, T, Hv, Dv, Dk)] if keep_rows else []),
+        output_dtypes=[f32] * (3 if keep_rows else 2),
     )
-    return y.astype(q.dtype), state_out
+    return (outs[0].astype(q.dtype), *outs[1:])
 
 
 def check(
@@ -131,10 +145,12 @@ def check(
     dtype: mx.Dtype,
     rows=(1, 3, 8, 16),
     compiled: bool = True,
+    keep_rows: bool = True,
 ) -> str | None:
     """Compare `fn` (the kernel, or a stand-in) with mlx-lm's `gated_delta_ops` on random inputs
-    of these head shapes, eagerly (and inside mx.compile with `compiled`); None when they
-    agree, else why not."""
+    of these head shapes, eagerly (and inside mx.compile with `compiled`); with `keep_rows`
+    also `fn(..., keep_rows=True)`, whose state after each row must be mlx-lm's after that
+    prefix. None when they agree, else why not."""
     from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
 
     key = mx.random.key(16)
@@ -149,19 +165,33 @@ def check(
         beta = mx.sigmoid(mx.random.normal((1, T, Hv), key=ks[5])).astype(dtype)
         state = 0.3 * mx.random.normal((1, Hv, Dv, Dk), key=ks[6])
         want_y, want_s = gated_delta_ops(q, k, v, g, beta, state)
+        want_rows = [
+            gated_delta_ops(*(x[:, : t + 1] for x in (q, k, v, g, beta)), state)[1]
+            for t in range(T)
+        ]
+        args = (q, k, v, g, beta, state)
         try:
-            results = {"eager": fn(q, k, v, g, beta, state)}
+            results = {"eager": fn(*args)}
             if compiled:
-                results["compiled"] = mx.compile(fn)(q, k, v, g, beta, state)
-            mx.eval(want_y, want_s, results)
+                results["compiled"] = mx.compile(fn)(*args)
+            if keep_rows:
+                results["rows"] = fn(*args, keep_rows=True)
+                if compiled:
+                    results["rows compiled"] = mx.compile(lambda *a: fn(*a, keep_rows=True))(*args)
+            mx.eval(want_y, want_s, want_rows, results)
         except Exception as exc:  # a kernel that does not build or run on this GPU
             return f"T={T}: {exc.__class__.__name__}: {str(exc)[:300]}"
         tol = 2e-2 if dtype != mx.float32 else 1e-4
-        for name, (y, s) in results.items():
+        for name, (y, s, *row_states) in results.items():
             if y.dtype != want_y.dtype or s.dtype != mx.float32:
                 return f"T={T} {name}: dtypes {y.dtype}, {s.dtype}"
             dy = mx.abs(y.astype(mx.float32) - want_y.astype(mx.float32)).max().item()
             ds = mx.abs(s - want_s).max().item()
+            if row_states:
+                r = row_states[0]
+                if r.shape != (1, T, *state.shape[1:]) or r.dtype != mx.float32:
+                    return f"T={T} {name}: row states {r.shape} {r.dtype}"
+                ds = max([ds] + [mx.abs(r[:, t] - w).max().item() for t, w in enumerate(want_rows)])
             if not (dy <= tol and ds <= 1e-3):  # also false for NaN
                 return f"T={T} {name}: max |dy|={dy:.3g}, max |dstate|={ds:.3g}"
     return None
