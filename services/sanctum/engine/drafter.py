@@ -294,27 +294,37 @@ class DraftHead(nn.Module):
         (temperature 0) takes the argmax and q is one-hot on it.
         """
         sel = self.candidate_selector
+        R = hidden.shape[0]
         k = min(self.cfg.selector_top_k, logits.shape[-1])
         cand = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]  # [R, k]
         cand_logits = mx.take_along_axis(logits, cand, axis=-1)
         proj = sel.hidden_projection(hidden).astype(mx.float32)  # [R, rank]
         succ = sel.successor_codebook[cand].astype(mx.float32)  # [R, k, rank]
-        prev = mx.array([anchor])
-        tokens, probs = [], []
-        keys = mx.random.split(key, hidden.shape[0]) if key is not None else None
-        for r in range(hidden.shape[0]):
-            ctx = sel.predecessor_codebook[prev].astype(mx.float32) * proj[r]  # [1, rank]
-            scores = cand_logits[r] + (succ[r] @ ctx[0])  # [k]
+        # Every row's scores for every possible predecessor, in two batched products: row 0
+        # follows the anchor, row r > 0 one of row r-1's k candidates ([R-1, k prev, k]). The
+        # left-to-right choice below is then a gather and an argmax (or a draw) a row.
+        anchor_code = sel.predecessor_codebook[anchor].astype(mx.float32)
+        first = cand_logits[0] + succ[0] @ (anchor_code * proj[0])
+        if R > 1:
+            prev_codes = sel.predecessor_codebook[cand[:-1]].astype(mx.float32)  # [R-1, k, rank]
+            after = cand_logits[1:, None, :] + (prev_codes * proj[1:, None, :]) @ succ[1:].swapaxes(
+                -1, -2
+            )
+        keys = mx.random.split(key, R) if key is not None else None
+        picks, probs, scores = [], [], first
+        for r in range(R):
+            if r > 0:
+                scores = after[r - 1][picks[-1]]  # [k]: given the previous row's pick
             if temperature <= 0:
-                idx = mx.argmax(scores)
-                q = (mx.arange(k) == idx).astype(mx.float32)
+                picks.append(mx.argmax(scores))
             else:
-                q = mx.softmax(scores / temperature)
-                idx = mx.random.categorical(mx.log(q + 1e-30), key=keys[r])
-            prev = cand[r, idx][None]
-            tokens.append(prev[0])
-            probs.append(q)
-        return mx.stack(tokens), cand, mx.stack(probs)
+                probs.append(mx.softmax(scores / temperature))
+                picks.append(mx.random.categorical(mx.log(probs[-1] + 1e-30), key=keys[r]))
+        idx = mx.stack(picks)[:, None]  # [R, 1]
+        tokens = mx.take_along_axis(cand, idx, axis=-1)[:, 0]
+        if temperature <= 0:  # q one-hot on each pick
+            return tokens, cand, (mx.arange(k)[None] == idx).astype(mx.float32)
+        return tokens, cand, mx.stack(probs)
 
 
 @dataclass
