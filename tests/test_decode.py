@@ -408,3 +408,18 @@ def test_kernel_verdict_comes_from_a_child_process_and_is_remembered(tmp_path, m
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("ran the check again"))
     assert cuda.verdict((2, 4, 32, 32), mx.float32) == first
     assert (tmp_path / "cuda-checks.json").is_file()
+
+
+def test_async_hand_on_leaves_outputs_unchanged(pair):
+    """On a GPU a forward starts the device every few layers (Target.async_layers) and a round
+    starts its drafts before building the verify: forced on here, output is unchanged."""
+    target, drafter = pair
+    ids = target.tokenizer.encode(PROMPT)
+    want = tokens_of(generate(target, ids, drafter=drafter, max_tokens=24, eos_ids=set()))
+    target.async_layers = 1
+    try:
+        got = tokens_of(generate(target, ids, drafter=drafter, max_tokens=24, eos_ids=set()))
+        plain = tokens_of(generate(target, ids, max_tokens=24, eos_ids=set()))
+    finally:
+        target.async_layers = 0
+    assert got == want == plain

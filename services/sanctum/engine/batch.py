@@ -50,6 +50,7 @@ def verify_batch(
         h = target._residual_mlp(layer, h, r)
         if i in wanted:
             wanted[i] = h
+        target.hand_on(i, h)
     logits = target.lm_head(target.norm(h))  # [N, L, V]
     taps = mx.concatenate([wanted[i] for i in tap_ids], axis=-1) if tap_ids else None
     return [

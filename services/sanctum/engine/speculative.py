@@ -400,6 +400,8 @@ class Decoder:
         drafts, q = self._draft(seq, seq.sampling, k_draft)
         if self.profile:
             mx.eval(drafts)
+        elif self.target.async_layers:  # a GPU drafts while Python builds the verify
+            mx.async_eval(drafts)
         t1 = time.perf_counter()
         block = mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
         verified = self.target.verify(block, seq.cache, self.tap_ids)
