@@ -8,7 +8,7 @@ from argparse import Namespace
 
 import mlx.core as mx
 import pytest
-from sanctum.engine import cuda, gdn_cuda
+from sanctum.engine import cuda, gdn_cuda, qmm_cuda
 
 pytestmark = pytest.mark.skipif(not cuda.is_cuda(), reason="needs MLX's CUDA backend")
 
@@ -19,6 +19,13 @@ def test_gdn_kernel_matches_mlx_lm_ops(shape, dtype):
     assert (
         gdn_cuda.check(gdn_cuda.gated_delta_cuda, *shape, dtype, rows=(1, 2, 5, 8, 16, 33)) is None
     )
+
+
+def test_few_row_qmm_kernel_matches_mlx():
+    """The few-row 4-bit kernel against MLX's quantized matmul: its own check, and the seed
+    target's MLP shapes (5120 -> 17408 -> 5120) at the verify's row counts."""
+    assert qmm_cuda.check() is None
+    assert qmm_cuda.check(shapes=((17408, 5120), (5120, 17408)), rows=(2, 8, 16)) is None
 
 
 def test_cuda_paths_end_to_end():

@@ -21,13 +21,43 @@ import numpy as np
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
 
-from ..engine import cuda, gdn, gdn_cuda
+from ..engine import cuda, gdn, gdn_cuda, qmm_cuda
 
 SHAPES = {"seed": (16, 48, 128, 128), "default": (4, 8, 64, 64), "tiny": (2, 4, 32, 32)}
 
 
-def _standin(q, k, v, g, beta, state):
-    return gated_delta_ops(q, k, v, g, beta, state)
+def _standin(q, k, v, g, beta, state, keep_rows=False):
+    """The GDN kernel's contract in pure MLX (off CUDA, `--standin`)."""
+    if not keep_rows:
+        return gated_delta_ops(q, k, v, g, beta, state)
+    ys, rows = [], []
+    for t in range(q.shape[1]):
+        y, state = gated_delta_ops(*(x[:, t : t + 1] for x in (q, k, v, g, beta)), state)
+        ys.append(y)
+        rows.append(state)
+    return mx.concatenate(ys, axis=1), state, mx.stack(rows, axis=1)
+
+
+def _qmm_reference(x, w, scales, biases):
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=64, bits=4)
+
+
+def _qmm_timings(kernel) -> dict:
+    """ms per call of the few-row 4-bit kernel and MLX's quantized matmul at the seed's MLP
+    shape (5120 -> 17408), by row count."""
+    from .seedphases import per_call_ms
+
+    w = (mx.random.normal((17408, 5120)) * 0.01).astype(mx.bfloat16)
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    out = {}
+    for M in (2, 8, 16):
+        x = mx.random.normal((M, 5120)).astype(mx.bfloat16)
+        mx.eval(wq, scales, biases, x)
+        out[M] = {
+            "kernel": per_call_ms(lambda x=x: [kernel(x, wq, scales, biases)]),
+            "mlx": per_call_ms(lambda x=x: [_qmm_reference(x, wq, scales, biases)]),
+        }
+    return out
 
 
 def _timings(kernel, shape, T: int) -> dict:
@@ -129,7 +159,11 @@ def run(args) -> dict:
         for dtype in (mx.bfloat16, mx.float32):
             checks[f"{name} {dtype}"] = gdn_cuda.check(kernel, *shape, dtype) or "ok"
     result["gdn_kernel_checks"] = checks
-    kernel_ok = all(v == "ok" for v in checks.values())
+    qmm = qmm_cuda.small_qmm if not standin else _qmm_reference
+    result["qmm_kernel_check"] = qmm_cuda.check(qmm) or "ok"
+    if result["qmm_kernel_check"] == "ok" and not standin:  # timings mean nothing off CUDA
+        result["qmm_ms_seed_mlp_shape"] = _qmm_timings(qmm)
+    kernel_ok = all(v == "ok" for v in checks.values()) and result["qmm_kernel_check"] == "ok"
     if kernel_ok:
         result["gdn_block_ms_seed_shape"] = {
             T: _timings(kernel, SHAPES["seed"], T) for T in (8, 16)

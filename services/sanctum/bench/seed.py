@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
-from ..engine import cuda, gdn
+from ..engine import cuda, gdn, qmm_cuda
 from ..engine.sampling import SamplingParams, acceptance_length, greedy_tokens
 from ..engine.speculative import Decoder, LocalDraftPeer, make_key
 from ..engine.target import load_target
@@ -252,6 +252,10 @@ def seed(args) -> dict:
             say(f"verify without the GDN kernel: {json.dumps(result['without_gdn_kernel'])}")
         finally:
             gdn.BLOCK_KERNEL = kernel
+    with qmm_cuda.disabled(target.model) as swapped:
+        if swapped:  # the same with MLX's own few-row 4-bit matmul: the kernel's before/after
+            result["without_qmm_kernel"] = verify_costs(target, prompt, tap_ids, args.reps, kv)[0]
+            say(f"verify without the few-row 4-bit kernel: {result['without_qmm_kernel']}")
     if drafter is None:  # --plain-only
         return result
     say(f"rounds at block {drafter.block_size}, acceptance forced")

@@ -16,6 +16,9 @@ load, and said loudly (log lines, and `report()` for the benchmarks).
   MLX path. The comparison runs in a child process (a kernel that fails to build could leave
   this process's GPU stream unusable) and is remembered per MLX version and kernel source in
   $SANCTUM_HOME/cuda-checks.json.
+- 4-bit matmuls of 2..16 rows (a verify block, the draft head): qmm_cuda.py's kernel, which
+  reads the weights once for all rows (MLX CUDA's costs ~2.6x its one-row kernel at 8 rows),
+  checked the same way (`prepare_linear`); SANCTUM_QMM_KERNEL=off keeps MLX's.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import gdn, gdn_cuda
+from . import gdn, gdn_cuda, qmm_cuda
 
 log = logging.getLogger("sanctum.cuda")
 Q8_MODES = ("auto", "quantized", "dequantized")
@@ -100,6 +103,12 @@ def verdict(shape: tuple[int, int, int, int], dtype: mx.Dtype) -> str | None:
     name = str(dtype).rsplit(".", 1)[-1]
     source = hashlib.sha1(gdn_cuda.SOURCES[True].encode()).hexdigest()[:12]
     key = f"mlx {mx.__version__} kernel {source} {list(shape)} {name}"
+    return _child_verdict(key, ["sanctum.engine.gdn_cuda", json.dumps(list(shape)), name])
+
+
+def _child_verdict(key: str, module_args: list[str]) -> str | None:
+    """The verdict a kernel module's check prints (`python -m module args`), run in a child
+    process and remembered under `key` in $SANCTUM_HOME/cuda-checks.json."""
     path = Path(os.environ.get("SANCTUM_HOME", Path.home() / ".cache" / "sanctum"))
     path = path / "cuda-checks.json"
     try:
@@ -108,7 +117,7 @@ def verdict(shape: tuple[int, int, int, int], dtype: mx.Dtype) -> str | None:
         known = {}
     if key in known:
         return known[key]
-    cmd = [sys.executable, "-m", "sanctum.engine.gdn_cuda", json.dumps(list(shape)), name]
+    cmd = [sys.executable, "-m", *module_args]
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     except subprocess.TimeoutExpired:
@@ -124,6 +133,29 @@ def verdict(shape: tuple[int, int, int, int], dtype: mx.Dtype) -> str | None:
     except OSError:
         pass
     return result
+
+
+_qmm = {"verdict": "not checked", "layers": 0}
+
+
+def prepare_linear(model) -> None:
+    """At load, on CUDA: route the few-row calls of the model's 4-bit linear layers through
+    qmm_cuda's kernel once its check agreed with MLX's quantized matmul on this GPU;
+    SANCTUM_QMM_KERNEL=off keeps MLX's kernel."""
+    if not is_cuda():
+        return
+    if os.environ.get("SANCTUM_QMM_KERNEL", "auto") == "off":
+        _qmm["verdict"] = "off (SANCTUM_QMM_KERNEL=off)"
+        return
+    source = hashlib.sha1(qmm_cuda.SOURCE.encode()).hexdigest()[:12]
+    result = _child_verdict(f"mlx {mx.__version__} qmm {source}", ["sanctum.engine.qmm_cuda"])
+    _qmm["verdict"] = result or "ok"
+    if result is not None:
+        log.error("few-row 4-bit matmul kernel DISAGREES with MLX, not used: %s", result)
+        print(f"sanctum: few-row 4-bit kernel disabled: {result}", file=sys.stderr)
+        return
+    _qmm["layers"] += qmm_cuda.install(model)
+    log.info("few-row 4-bit matmul kernel checked: %d layers use it", _qmm["layers"])
 
 
 def pad_rows(x: mx.array, multiple: int = 8) -> mx.array:
@@ -147,4 +179,5 @@ def report() -> dict:
         "gdn_block_kernel": gdn.BLOCK_KERNEL is gdn_cuda.gated_delta_cuda,
         "gdn_block_kernel_in_compile": gdn.BLOCK_KERNEL_IN_COMPILE,
         "gdn_kernel_checks": {str(k[:4]) + f" {k[4]}": v or "ok" for k, v in _checked.items()},
+        "few_row_qmm_kernel": dict(_qmm),
     }

@@ -111,6 +111,7 @@ class Target:
         mixers = [layer.linear_attn for layer, g in zip(self.layers, self.is_gdn) if g]
         shapes = {(m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim) for m in mixers}
         cuda.prepare(shapes, self.dtype)  # on CUDA: check the fused GDN kernel on these
+        cuda.prepare_linear(model)  # on CUDA: few-row 4-bit matmuls through a checked kernel
 
     # ---- caches -------------------------------------------------------------------------
     def make_cache(self, kv_mode: str = "fp16") -> list:

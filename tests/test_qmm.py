@@ -1,0 +1,61 @@
+"""The few-row 4-bit matmul's routing (engine/qmm_cuda.py) with a pure-MLX stand-in for the
+CUDA kernel: which layers it takes, that 2..16 bf16 rows go to it and one row or many do not,
+and that its check catches a wrong kernel. The kernel itself is checked on the GPU
+(test_cuda.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from sanctum.engine import qmm_cuda
+
+
+def _reference(x, w, scales, biases):
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=64, bits=4)
+
+
+def _layer(n_in=512, n_out=64, bias=False):
+    lin = nn.Linear(n_in, n_out, bias=bias)
+    lin.set_dtype(mx.bfloat16)
+    return nn.QuantizedLinear.from_linear(lin, group_size=64, bits=4)
+
+
+def test_install_takes_supported_layers_only():
+    model = nn.Sequential(_layer(), _layer(n_in=320), _layer(n_out=48))
+    model.layers.append(nn.QuantizedLinear.from_linear(nn.Linear(512, 64), bits=8))
+    assert qmm_cuda.install(model) == 1  # K % 512, N % 32 and 4 bits bf16 only
+    kinds = [type(m) for m in model.layers]
+    assert kinds[0] is qmm_cuda.FewRowsQuantizedLinear
+    assert all(k is nn.QuantizedLinear for k in kinds[1:])
+
+
+def test_few_rows_go_to_the_kernel_and_outputs_agree(monkeypatch):
+    calls = []
+
+    def standin(x, w, scales, biases):
+        calls.append(x.shape)
+        return _reference(x, w, scales, biases)
+
+    monkeypatch.setattr(qmm_cuda, "small_qmm", standin)
+    layer = _layer(bias=True)
+    xs = {rows: mx.random.normal((1, rows, 512)).astype(mx.bfloat16) for rows in (1, 8, 16, 17)}
+    want = {rows: layer(x) for rows, x in xs.items()}
+    qmm_cuda.install(layer)
+    got = {rows: layer(x) for rows, x in xs.items()}
+    assert calls == [(8, 512), (16, 512)]  # decode (1 row) and 17+ rows keep MLX's kernel
+    for rows in xs:
+        assert got[rows].shape == want[rows].shape == (1, rows, 64)
+        np.testing.assert_array_equal(
+            np.array(got[rows].astype(mx.float32)), np.array(want[rows].astype(mx.float32))
+        )
+
+
+def test_check_accepts_the_reference_and_catches_a_bad_kernel():
+    assert qmm_cuda.check(_reference) is None
+
+    def one_row_wrong(x, w, scales, biases):
+        y = _reference(x, w, scales, biases)
+        return mx.concatenate([y[:1] * 1.5, y[1:]])
+
+    assert "max error" in qmm_cuda.check(one_row_wrong)
