@@ -50,13 +50,17 @@ def _qmm_timings(kernel) -> dict:
     w = (mx.random.normal((17408, 5120)) * 0.01).astype(mx.bfloat16)
     wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
     out = {}
-    for M in (2, 8, 16):
+    for M in (1, 2, 8, 16):  # 1: for comparison only (decode keeps MLX's kernel)
         x = mx.random.normal((M, 5120)).astype(mx.bfloat16)
         mx.eval(wq, scales, biases, x)
         out[M] = {
             "kernel": per_call_ms(lambda x=x: [kernel(x, wq, scales, biases)]),
             "mlx": per_call_ms(lambda x=x: [_qmm_reference(x, wq, scales, biases)]),
         }
+    chain = {"kernel": qmm_cuda.chain_ms(kernel), "mlx": qmm_cuda.chain_ms(_qmm_reference)}
+    out["chain_of_16_at_8_rows_ms"] = {k: round(v, 3) for k, v in chain.items()}
+    one = {"kernel": qmm_cuda.chain_ms(kernel, rows=1), "mlx": qmm_cuda.chain_ms(_qmm_reference, 1)}
+    out["chain_of_16_at_1_row_ms"] = {k: round(v, 3) for k, v in one.items()}
     return out
 
 
