@@ -9,7 +9,8 @@ round) and, to check the projection, the measured speed-up with acceptance force
 (random weights accept nothing; the forced round runs the real drafter, verify and rollback
 and commits tau tokens). Per-phase timings (seedphases.py) say where a forward's time goes.
 `--json` prints one object with the keys plain_tok_s, mlx_lm_tok_s, verify_ratio (L -> ratio),
-round_ms, break_even_tau and projected_speedup (tau -> x), and the rest.
+round_ms, break_even_tau and projected_speedup (tau -> x), build_ms (host time building the
+graphs of decode(1), verify(L) and its rollback, before the evaluation), and the rest.
 
 Imports no Ray and no gRPC: it runs where only MLX, mlx-lm and numpy are installed.
 """
@@ -96,30 +97,50 @@ def _sync_ms(fn, reps: int) -> float:
 
 def verify_costs(target, prompt: list[int], tap_ids, reps: int, kv: str) -> tuple[dict, list]:
     """decode(1) and verify(L) on the prefilled prompt, each synced and then undone; and that
-    prefilled cache."""
+    prefilled cache. `build_ms`: of each, the host time spent building the lazy graph (the
+    Python call, before `mx.eval`), for the rollback too: on a GPU it is not hidden when the
+    step waits on its result."""
     cache = target.make_cache(kv)
     target.prefill(prompt, cache)
     offset, rng = len(prompt), np.random.default_rng(1)
+    builds: dict = {"decode": [], "verify": {}, "rollback": {}}
 
     def held():  # what a step leaves in the cache
         return [c.cache if isinstance(c, ArraysCache) else c.state for c in cache]
 
     def decode():
         states = target.recurrent_state(cache)
+        t0 = time.perf_counter()
         logits, _ = target.forward(mx.array([7]), cache)
+        builds["decode"].append(time.perf_counter() - t0)
         mx.eval(logits, held())
         target.truncate(cache, offset, states)
 
     def verify(L):
         block = mx.array(rng.integers(10, target.vocab_size - 10, size=L).tolist())
+        t0 = time.perf_counter()
         logits, taps, tape = target.verify(block, cache, tap_ids)
+        t1 = time.perf_counter()
         mx.eval(logits, taps, held())
-        mx.eval(target.rollback(cache, tape, 0))
+        t2 = time.perf_counter()
+        states = target.rollback(cache, tape, 0)
+        t3 = time.perf_counter()
+        builds["verify"].setdefault(L, []).append(t1 - t0)
+        builds["rollback"].setdefault(L, []).append(t3 - t2)
+        mx.eval(states)
+
+    def build_ms(times):  # the synced calls' median, not the first (it may compile)
+        return round(1000 * statistics.median(times[1:]), 3)
 
     out = {"decode_ms": round(_sync_ms(decode, reps), 3), "verify_ms": {}}
     for L in VERIFY_ROWS:
         out["verify_ms"][L] = round(_sync_ms(lambda L=L: verify(L), reps), 3)
     out["verify_ratio"] = {L: round(ms / out["decode_ms"], 3) for L, ms in out["verify_ms"].items()}
+    out["build_ms"] = {
+        "decode": build_ms(builds["decode"]),
+        "verify": {L: build_ms(t) for L, t in builds["verify"].items()},
+        "rollback": {L: build_ms(t) for L, t in builds["rollback"].items()},
+    }
     return out, cache
 
 

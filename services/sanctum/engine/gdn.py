@@ -322,6 +322,31 @@ def _math_for(mod: nn.Module, taped: bool, rows: int):
     return _compiled[key]
 
 
+def layer_for(layer: nn.Module, taped: bool, rows: int, post):
+    """A whole GDN decoder layer as one function of (h, conv state, recurrent state): the input
+    norm, `_gdn_math` and `post(layer, h, r)` (the residual and MLP), compiled as one graph for
+    `rows` up to COMPILE_MAX_ROWS (as `_math_for`), so that a forward pays one call per layer.
+    Returns (h, new conv state, new recurrent state, (conv input, extra) or ()): with `taped`,
+    what `tape_entry` takes."""
+    mod = layer.linear_attn
+    n_conv = mod.conv_kernel_size - 1
+
+    def fn(h, conv_state, state_in):
+        r, conv_input, state, extra = _gdn_math(
+            mod, layer.input_layernorm(h), conv_state, state_in, taped
+        )
+        out = post(layer, h, r)
+        return out, conv_input[:, -n_conv:, :], state, ((conv_input, extra) if taped else ())
+
+    if rows > COMPILE_MAX_ROWS or (not BLOCK_KERNEL_IN_COMPILE and _block_kernel(rows)):
+        return fn
+    key = ("layer", id(layer), id(post), taped, taped and _one_chunk_tape(mod, rows))
+    key += (id(BLOCK_KERNEL), taped and _row_states_tape(rows), MLX_LM_PREFILL)
+    if key not in _compiled:
+        _compiled[key] = mx.compile(fn)
+    return _compiled[key]
+
+
 def gdn_forward(mod: nn.Module, x: mx.array, cache, tape: list | None = None) -> mx.array:
     """mlx-lm's GDN forward (no padding mask) on `cache`; with `tape`, appends a GDNTape."""
     B, S, _ = x.shape
