@@ -423,3 +423,43 @@ def test_async_hand_on_leaves_outputs_unchanged(pair):
     finally:
         target.async_layers = 0
     assert got == want == plain
+
+
+def test_drop_compiled_traces_the_forward_again(pair):
+    """A forward's compiled graphs keep what they were traced with (a swapped kernel would go
+    unseen: bench seed's before/after of one); after `drop_compiled` the layers are traced
+    again, and the outputs are unchanged."""
+    target, _ = pair
+    layer = target.layers[target._first_gdn]
+    original, traced = type(layer.mlp), []
+
+    class Counting(original):
+        def __call__(self, x):
+            traced.append(x.shape)
+            return super().__call__(x)
+
+    cache = target.make_cache()
+    target.prefill(target.tokenizer.encode(PROMPT), cache)
+    offset, states = cache_offset(cache), target.recurrent_state(cache)
+
+    def step():
+        logits, _ = target.forward(mx.array([7]), cache)
+        mx.eval(logits)
+        target.truncate(cache, offset, states)
+        return np.array(logits)
+
+    want = step()
+    layer.mlp.__class__ = Counting
+    try:
+        step()
+        assert traced == []  # replayed
+        target.drop_compiled()
+        got = step()
+        assert traced
+        n = len(traced)
+        step()
+        assert len(traced) == n  # compiled again, replayed again
+    finally:
+        layer.mlp.__class__ = original
+        target.drop_compiled()
+    np.testing.assert_array_equal(got, want)

@@ -275,8 +275,11 @@ def seed(args) -> dict:
             gdn.BLOCK_KERNEL = kernel
     with qmm_cuda.disabled(target.model) as swapped:
         if swapped:  # the same with MLX's own few-row 4-bit matmul: the kernel's before/after
+            target.drop_compiled()  # (compiled graphs would keep the kernel)
             result["without_qmm_kernel"] = verify_costs(target, prompt, tap_ids, args.reps, kv)[0]
             say(f"verify without the few-row 4-bit kernel: {result['without_qmm_kernel']}")
+    if swapped:
+        target.drop_compiled()
     if drafter is None:  # --plain-only
         return result
     say(f"rounds at block {drafter.block_size}, acceptance forced")

@@ -236,6 +236,13 @@ class Target:
             )
         return fns
 
+    def drop_compiled(self) -> None:
+        """Forget the compiled forward graphs: they keep the kernels they were traced with, so
+        after swapping how a layer computes (qmm_cuda.disabled, say) they must be traced again."""
+        self._plans.clear()
+        self._compiled_mlp.clear()
+        gdn._compiled.clear()
+
     @staticmethod
     def _zero_gdn_state(mod, dtype) -> tuple[mx.array, mx.array]:
         """A GDN layer's (conv state, recurrent state) before its first token."""
