@@ -272,26 +272,10 @@ def test_q8_dequantized_attention_equals_quantized(pair, monkeypatch):
     assert got[False][3] == got[True][3] == got[True][4]
 
 
-def _standin(q, k, v, g, beta, state):
-    return gated_delta_ops(q, k, v, g, beta, state)
-
-
-def _standin_rows(q, k, v, g, beta, state, keep_rows=False, skew=0.0):
-    """The kernel's contract with its per-row states, in pure MLX (one step at a time)."""
-    if not keep_rows:
-        return gated_delta_ops(q, k, v, g, beta, state)
-    ys, rows = [], []
-    for t in range(q.shape[1]):
-        y, state = gated_delta_ops(*(x[:, t : t + 1] for x in (q, k, v, g, beta)), state)
-        ys.append(y)
-        rows.append(state + skew * t)
-    return mx.concatenate(ys, axis=1), state, mx.stack(rows, axis=1)
-
-
 def test_block_kernel_check_accepts_the_reference_and_catches_a_bad_one():
-    assert gdn_cuda.check(_standin_rows, 2, 4, 32, 32, mx.float32) is None
-    assert gdn_cuda.check(_standin_rows, 2, 4, 32, 32, mx.bfloat16) is None
-    assert gdn_cuda.check(_standin, 2, 4, 32, 32, mx.float32, keep_rows=False) is None
+    assert gdn_cuda.check(gdn_cuda.reference, 2, 4, 32, 32, mx.float32) is None
+    assert gdn_cuda.check(gdn_cuda.reference, 2, 4, 32, 32, mx.bfloat16) is None
+    assert gdn_cuda.check(gdn_cuda.reference, 2, 4, 32, 32, mx.float32, keep_rows=False) is None
 
     def off_by_a_bit(q, k, v, g, beta, state):
         y, s = gated_delta_ops(q, k, v, g, beta, state)
@@ -300,7 +284,12 @@ def test_block_kernel_check_accepts_the_reference_and_catches_a_bad_one():
     assert "max |dy|" in gdn_cuda.check(off_by_a_bit, 2, 4, 32, 32, mx.float32, keep_rows=False)
 
     def rows_off(*args, keep_rows=False):  # right y and final state, a wrong middle row
-        return _standin_rows(*args, keep_rows=keep_rows, skew=1e-2)
+        out = gdn_cuda.reference(*args, keep_rows=keep_rows)
+        return (
+            (*out[:2], out[2] + 1e-2 * mx.arange(out[2].shape[1])[:, None, None, None])
+            if keep_rows
+            else out
+        )
 
     assert "max |dstate|" in gdn_cuda.check(rows_off, 2, 4, 32, 32, mx.float32)
     assert gdn_cuda.supported(16, 48, 128, 128) and not gdn_cuda.supported(16, 48, 100, 128)
@@ -310,7 +299,7 @@ def test_block_kernel_path_keeps_bf16(bf16_pair, monkeypatch):
     """The kernel takes float32 inputs: its pass casts them, and casts y back, so a bf16 model's
     verify still hands on bf16 logits, taps and conv state."""
     target, drafter = bf16_pair
-    monkeypatch.setattr(gdn, "BLOCK_KERNEL", _standin)
+    monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
     cache = target.make_cache()
     target.prefill(target.tokenizer.encode(PROMPT), cache)
     logits, taps, tape = target.verify(mx.arange(5, 13), cache, drafter.cfg.target_layer_ids)
@@ -326,7 +315,7 @@ def test_block_kernel_dispatch_rolls_back_exactly(pair, monkeypatch):
     the recurrence inputs and a rollback re-runs the kernel over the kept rows: every keep
     matches a fresh forward, and speculative greedy still equals plain greedy."""
     target, drafter = pair
-    monkeypatch.setattr(gdn, "BLOCK_KERNEL", _standin)
+    monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
     ids = target.tokenizer.encode(PROMPT)
     block = [int(t) for t in np.random.default_rng(0).integers(10, 400, size=8)]
     for keep in (0, 1, 3, 8):
@@ -349,7 +338,7 @@ def test_block_kernel_row_states_roll_back_exactly(pair, monkeypatch):
     from sanctum.engine.batch import verify_batch
 
     target, drafter = pair
-    monkeypatch.setattr(gdn, "BLOCK_KERNEL", _standin_rows)
+    monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
     monkeypatch.setattr(gdn, "BLOCK_KERNEL_KEEPS_ROWS", True)
     ids = target.tokenizer.encode(PROMPT)
     block = [int(t) for t in np.random.default_rng(0).integers(10, 400, size=8)]

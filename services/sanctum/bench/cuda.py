@@ -26,22 +26,6 @@ from ..engine import cuda, gdn, gdn_cuda, qmm_cuda
 SHAPES = {"seed": (16, 48, 128, 128), "default": (4, 8, 64, 64), "tiny": (2, 4, 32, 32)}
 
 
-def _standin(q, k, v, g, beta, state, keep_rows=False):
-    """The GDN kernel's contract in pure MLX (off CUDA, `--standin`)."""
-    if not keep_rows:
-        return gated_delta_ops(q, k, v, g, beta, state)
-    ys, rows = [], []
-    for t in range(q.shape[1]):
-        y, state = gated_delta_ops(*(x[:, t : t + 1] for x in (q, k, v, g, beta)), state)
-        ys.append(y)
-        rows.append(state)
-    return mx.concatenate(ys, axis=1), state, mx.stack(rows, axis=1)
-
-
-def _qmm_reference(x, w, scales, biases):
-    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=64, bits=4)
-
-
 def _qmm_timings(kernel) -> dict:
     """ms per call of the few-row 4-bit kernel and MLX's quantized matmul at the seed's MLP
     shape (5120 -> 17408), by row count."""
@@ -55,11 +39,14 @@ def _qmm_timings(kernel) -> dict:
         mx.eval(wq, scales, biases, x)
         out[M] = {
             "kernel": per_call_ms(lambda x=x: [kernel(x, wq, scales, biases)]),
-            "mlx": per_call_ms(lambda x=x: [_qmm_reference(x, wq, scales, biases)]),
+            "mlx": per_call_ms(lambda x=x: [qmm_cuda.reference(x, wq, scales, biases)]),
         }
-    chain = {"kernel": qmm_cuda.chain_ms(kernel), "mlx": qmm_cuda.chain_ms(_qmm_reference)}
+    chain = {"kernel": qmm_cuda.chain_ms(kernel), "mlx": qmm_cuda.chain_ms(qmm_cuda.reference)}
     out["chain_of_16_at_8_rows_ms"] = {k: round(v, 3) for k, v in chain.items()}
-    one = {"kernel": qmm_cuda.chain_ms(kernel, rows=1), "mlx": qmm_cuda.chain_ms(_qmm_reference, 1)}
+    one = {
+        "kernel": qmm_cuda.chain_ms(kernel, rows=1),
+        "mlx": qmm_cuda.chain_ms(qmm_cuda.reference, 1),
+    }
     out["chain_of_16_at_1_row_ms"] = {k: round(v, 3) for k, v in one.items()}
     return out
 
@@ -156,14 +143,14 @@ def run(args) -> dict:
     result = {"policy": cuda.report()}
     if not cuda.is_cuda() and not standin:
         return {**result, "skipped": "not a CUDA device", "ok": True}
-    kernel = gdn_cuda.gated_delta_cuda if not standin else _standin
+    kernel = gdn_cuda.gated_delta_cuda if not standin else gdn_cuda.reference
     saved = gdn.BLOCK_KERNEL
     checks = {}
     for name, shape in SHAPES.items():
         for dtype in (mx.bfloat16, mx.float32):
             checks[f"{name} {dtype}"] = gdn_cuda.check(kernel, *shape, dtype) or "ok"
     result["gdn_kernel_checks"] = checks
-    qmm = qmm_cuda.small_qmm if not standin else _qmm_reference
+    qmm = qmm_cuda.small_qmm if not standin else qmm_cuda.reference
     result["qmm_kernel_check"] = qmm_cuda.check(qmm) or "ok"
     if result["qmm_kernel_check"] == "ok" and not standin:  # timings mean nothing off CUDA
         result["qmm_ms_seed_mlp_shape"] = _qmm_timings(qmm)

@@ -136,6 +136,21 @@ def gated_delta_cuda(
     return (outs[0].astype(q.dtype), *outs[1:])
 
 
+def reference(q, k, v, g, beta, state, keep_rows: bool = False) -> tuple[mx.array, ...]:
+    """The kernel's contract in pure MLX (mlx-lm's `gated_delta_ops`; with `keep_rows` one row at
+    a time, keeping each state): what `check` compares with, and the stand-in off CUDA."""
+    from mlx_lm.models.gated_delta import gated_delta_ops
+
+    if not keep_rows:
+        return gated_delta_ops(q, k, v, g, beta, state)
+    ys, rows = [], []
+    for t in range(q.shape[1]):
+        y, state = gated_delta_ops(*(x[:, t : t + 1] for x in (q, k, v, g, beta)), state)
+        ys.append(y)
+        rows.append(state)
+    return mx.concatenate(ys, axis=1), state, mx.stack(rows, axis=1)
+
+
 def check(
     fn,
     Hk: int,
@@ -151,7 +166,7 @@ def check(
     of these head shapes, eagerly (and inside mx.compile with `compiled`); with `keep_rows`
     also `fn(..., keep_rows=True)`, whose state after each row must be mlx-lm's after that
     prefix. None when they agree, else why not."""
-    from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
+    from mlx_lm.models.gated_delta import normalize_qk
 
     key = mx.random.key(16)
     for T in rows:
@@ -164,11 +179,7 @@ def check(
         g = mx.exp(-mx.random.uniform(0.01, 2.0, (1, T, Hv), key=ks[4]))
         beta = mx.sigmoid(mx.random.normal((1, T, Hv), key=ks[5])).astype(dtype)
         state = 0.3 * mx.random.normal((1, Hv, Dv, Dk), key=ks[6])
-        want_y, want_s = gated_delta_ops(q, k, v, g, beta, state)
-        want_rows = [
-            gated_delta_ops(*(x[:, : t + 1] for x in (q, k, v, g, beta)), state)[1]
-            for t in range(T)
-        ]
+        want_y, want_s, want_rows = reference(q, k, v, g, beta, state, keep_rows=True)
         args = (q, k, v, g, beta, state)
         try:
             results = {"eager": fn(*args)}
@@ -191,7 +202,7 @@ def check(
                 r = row_states[0]
                 if r.shape != (1, T, *state.shape[1:]) or r.dtype != mx.float32:
                     return f"T={T} {name}: row states {r.shape} {r.dtype}"
-                ds = max([ds] + [mx.abs(r[:, t] - w).max().item() for t, w in enumerate(want_rows)])
+                ds = max(ds, mx.abs(r - want_rows).max().item())
             if not (dy <= tol and ds <= 1e-3):  # also false for NaN
                 return f"T={T} {name}: max |dy|={dy:.3g}, max |dstate|={ds:.3g}"
     return None
