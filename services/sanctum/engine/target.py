@@ -13,9 +13,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
-from mlx_lm.models.qwen3_next import Qwen3NextAttention
 from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
 from . import cuda, gdn
@@ -25,7 +24,6 @@ from .gdn import COMPILE_MAX_ROWS, GDNTape
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 KV_MODES = ("fp16", "q8")
 PREFILL_CHUNK = 2048
-_GDN, _ATTN_SPLIT, _ATTN = 0, 1, 2  # what a forward's plan runs for a layer
 # On a GPU a forward hands every this many layers to the device as soon as they are built
 # (mx.async_eval), so the device runs the first layers while Python builds the rest: a verify's
 # graph takes ~5 ms of host time at the seed's 64 layers, which nothing else hides. On the CPU
@@ -152,10 +150,8 @@ class Target:
         )
         taped = tape is not None
         wanted = {layer_id: None for layer_id in tap_ids}
-        for i, (layer, c, (kind, fn, post)) in enumerate(
-            zip(self.layers, cache, self._plan(S, taped))
-        ):
-            if kind == _GDN:  # norm, mixer, residual and MLP in one call
+        for i, (layer, c, fn) in enumerate(zip(self.layers, cache, self._plan(S, taped))):
+            if fn is not None:  # a GDN layer: norm, mixer, residual and MLP in one call
                 conv, state_in = c[0], c[1]
                 if conv is None or state_in is None:
                     zero_conv, zero_state = self._zero_gdn_state(layer.linear_attn, h.dtype)
@@ -171,19 +167,8 @@ class Target:
             else:
                 if self.dequantize_q8 and isinstance(c, QuantizedKVCache):
                     c = DequantizedView(c)
-                if kind == _ATTN_SPLIT:  # mlx-lm's gated attention, compiled around the cache
-                    attn = layer.self_attn
-                    queries, keys, values, gate = fn(h)
-                    offset = c.offset
-                    queries = attn.rope(queries, offset=offset)
-                    keys, values = c.update_and_fetch(attn.rope(keys, offset=offset), values)
-                    out = scaled_dot_product_attention(
-                        queries, keys, values, cache=c, scale=attn.scale, mask=attn_mask
-                    )
-                    h = post(h, out, gate)
-                else:
-                    r = layer.self_attn(layer.input_layernorm(h), attn_mask, c)
-                    h = self._residual_mlp(layer, h, r)
+                r = layer.self_attn(layer.input_layernorm(h), attn_mask, c)
+                h = self._residual_mlp(layer, h, r)
             if i in wanted:
                 wanted[i] = h
             self.hand_on(i, h)
@@ -199,9 +184,9 @@ class Target:
             mx.async_eval(h)
 
     def _plan(self, rows: int, taped: bool) -> list:
-        """Per layer, what a forward of `rows` rows runs: (_GDN, the whole layer's function,
-        None), (_ATTN_SPLIT, the compiled parts before and after the cache) or (_ATTN, None,
-        None): mlx-lm's module. Cached for the compiled row counts."""
+        """Per layer, what a forward of `rows` rows runs: a GDN layer's whole function, or None
+        (attention: mlx-lm's module, then the compiled residual and MLP). Cached for the
+        compiled row counts."""
         key = None
         if rows <= COMPILE_MAX_ROWS:
             # what gdn.layer_for's compiled graphs depend on, beyond the shapes
@@ -213,28 +198,13 @@ class Target:
             plan = self._plans.get(key)
             if plan is not None:
                 return plan
-        plan = []
-        for layer, g in zip(self.layers, self.is_gdn):
-            if g:
-                plan.append((_GDN, gdn.layer_for(layer, taped, rows, _residual_mlp), None))
-            elif key is not None and isinstance(layer.self_attn, Qwen3NextAttention):
-                plan.append((_ATTN_SPLIT, *self._attention_fns(layer)))
-            else:
-                plan.append((_ATTN, None, None))
+        plan = [
+            gdn.layer_for(layer, taped, rows, _residual_mlp) if g else None
+            for layer, g in zip(self.layers, self.is_gdn)
+        ]
         if key is not None:
             self._plans[key] = plan
         return plan
-
-    def _attention_fns(self, layer) -> tuple:
-        """mlx-lm's Qwen3NextAttention before and after its cache (the input norm and
-        projections; the output gate, projection, residual and MLP), each compiled once."""
-        fns = self._compiled_mlp.get(("attn", id(layer)))
-        if fns is None:
-            fns = self._compiled_mlp[("attn", id(layer))] = (
-                mx.compile(lambda h: _attention_in(layer, h)),
-                mx.compile(lambda h, out, gate: _attention_out(layer, h, out, gate)),
-            )
-        return fns
 
     def drop_compiled(self) -> None:
         """Forget the compiled forward graphs: they keep the kernels they were traced with, so
@@ -367,28 +337,6 @@ def _residual_mlp(layer, h: mx.array, r: mx.array) -> mx.array:
     # the second half of mlx-lm's DecoderLayer.__call__ (same for every supported model type)
     h = h + r
     return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
-def _attention_in(layer, h: mx.array) -> tuple[mx.array, ...]:
-    # mlx-lm's Qwen3NextAttention.__call__ up to the rotary embedding, after the input norm
-    attn = layer.self_attn
-    x = layer.input_layernorm(h)
-    B, L, _ = x.shape
-    q_proj_output = attn.q_proj(x)
-    queries, gate = mx.split(q_proj_output.reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
-    gate = gate.reshape(B, L, -1)
-    keys, values = attn.k_proj(x), attn.v_proj(x)
-    queries = attn.q_norm(queries).transpose(0, 2, 1, 3)
-    keys = attn.k_norm(keys.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
-    values = values.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-    return queries, keys, values, gate
-
-
-def _attention_out(layer, h: mx.array, output: mx.array, gate: mx.array) -> mx.array:
-    # the rest of Qwen3NextAttention.__call__ after the attention, then the residual and MLP
-    B, L, _ = h.shape
-    output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
-    return _residual_mlp(layer, h, layer.self_attn.o_proj(output * mx.sigmoid(gate)))
 
 
 def cache_offset(cache: list) -> int:
