@@ -35,6 +35,6 @@ def test_cuda_paths_end_to_end():
     from sanctum.bench.cuda import run
 
     result = run(Namespace(standin=False))
-    assert result["ok"], result
+    assert result["ok"], (result["failed"], result.get("end_to_end"))
     assert result["policy_after_load"]["gdn_block_kernel"]
     assert result["policy"]["q8_attention"] == "dequantized"

@@ -167,7 +167,12 @@ def run(args) -> dict:
     finally:
         gdn.BLOCK_KERNEL = saved
     e2e = result["end_to_end"]
-    result["ok"] = kernel_ok and all(v for k, v in e2e.items() if k != "rollback_max_abs_diff")
+    result["failed"] = [k for k, v in checks.items() if v != "ok"] + [
+        k for k, v in e2e.items() if k != "rollback_max_abs_diff" and not v
+    ]
+    if result["qmm_kernel_check"] != "ok":
+        result["failed"].append("qmm_kernel_check")
+    result["ok"] = kernel_ok and not result["failed"]
     result["q8_attention"] = _q8_attention()  # last: a failing MLX kernel may leave its stream
     return result
 
