@@ -69,3 +69,21 @@ def backend(pair, tmp_path_factory):
     b.ready(120)
     yield b
     b.close()
+
+
+@pytest.fixture
+def serve(backend):
+    """serve(**Server kwargs) -> a started gRPC Server over the module's backend, stopped after."""
+    from sanctum.api.server import Server
+
+    servers = []
+
+    def start(**kw):
+        srv = Server(backend, "127.0.0.1", 0, **kw)
+        srv.ready(60)
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.stop(0)

@@ -22,22 +22,6 @@ from sanctum.api.server import Server
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # grpcio shares one per target otherwise
 
 
-@pytest.fixture
-def serve(backend):
-    """serve(**server kwargs) -> a started Server over the shared backend, stopped after."""
-    servers = []
-
-    def start(**kw):
-        srv = Server(backend, "127.0.0.1", 0, **kw)
-        srv.ready(60)
-        servers.append(srv)
-        return srv
-
-    yield start
-    for srv in servers:
-        srv.stop(0)
-
-
 def idle_reflection_streams(address: str, n: int) -> list:
     """n server-reflection streams, each on its own connection, opened and never half-closed."""
     held = []

@@ -25,20 +25,15 @@ CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "co
 
 
 @pytest.fixture
-def serve(backend):
-    """serve(**Server kwargs) -> a started Server with HTTP on a free port, stopped after."""
-    servers = []
+def serve(serve):
+    """conftest's `serve`, with HTTP started on a free port too."""
 
     def start(**kw):
-        srv = Server(backend, "127.0.0.1", 0, **kw)
-        srv.ready(60)
+        srv = serve(**kw)
         srv.start_http(0)
-        servers.append(srv)
         return srv
 
-    yield start
-    for srv in servers:
-        srv.stop(0)
+    return start
 
 
 @pytest.fixture
