@@ -318,11 +318,23 @@ def check(fn=None, shapes=((256, 512), (1024, 1536)), rows=(2, 7, 8, 16)) -> str
     return None
 
 
+def _median_ms(run, reps: int) -> float:
+    """Median wall ms of `run()` (which evaluates what it builds) over `reps` calls, after one."""
+    import statistics
+    import time
+
+    run()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
 def chain_ms(fn, rows: int = 8, pairs: int = 8, reps: int = 5) -> float:
     """ms of `pairs` MLP-shaped products (5120 -> 17408 -> 5120) one after the other, each on
     the last one's output, as a verify's layers run them (not overlapped)."""
-    import statistics
-    import time
 
     def quantized(n_out, n_in):
         w = (mx.random.normal((n_out, n_in)) * n_in**-0.5).astype(mx.bfloat16)
@@ -338,13 +350,7 @@ def chain_ms(fn, rows: int = 8, pairs: int = 8, reps: int = 5) -> float:
             h = fn(fn(h, *up), *down)
         mx.eval(h)
 
-    run()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    return _median_ms(run, reps)
 
 
 def verdict() -> str | None:
@@ -362,9 +368,6 @@ def narrow_verdict(n_out: int = 48, n_in: int = 5120, rows: int = 8, reps: int =
     """The dense copy of a narrow layer: its products within bfloat16 rounding of the exact
     (float32) product of the dequantized weight, and faster at `rows` rows in a chain than
     MLX's quantized kernel (else it is not used)."""
-    import statistics
-    import time
-
     w = (mx.random.normal((n_out, n_in)) * n_in**-0.5).astype(mx.bfloat16)
     layer = nn.QuantizedLinear(n_in, n_out, bias=False, group_size=64, bits=4)
     layer.weight, layer.scales, layer.biases = mx.quantize(w, group_size=64, bits=4)
@@ -384,18 +387,9 @@ def narrow_verdict(n_out: int = 48, n_in: int = 5120, rows: int = 8, reps: int =
             h = h * (1 + 0 * fn(h).sum())
         mx.eval(h)
 
-    def timed(fn):
-        chain(fn)
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            chain(fn)
-            ts.append(time.perf_counter() - t0)
-        return 1000 * statistics.median(ts)
-
-    ours = timed(layer)
+    ours = _median_ms(lambda: chain(layer), reps)
     with disabled(layer):
-        theirs = timed(layer)
+        theirs = _median_ms(lambda: chain(layer), reps)
     if not ours < 0.9 * theirs:
         return f"not faster at {rows} rows: {ours:.2f} ms against {theirs:.2f} ms"
     return None
