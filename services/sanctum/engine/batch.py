@@ -19,7 +19,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import QuantizedKVCache
 
 from .drafter import ContextCache, DraftBody, block_attention_mask
-from .gdn import GDNTape, _math_for, tape_entry
+from .gdn import GDNTape, _math_for, cache_states, tape_entry
 from .target import DequantizedView, Target, VerifyTape, cache_offset
 
 
@@ -62,15 +62,7 @@ def verify_batch(
 def _gdn_batch(mod, x: mx.array, caches: list, tapes: list[list[GDNTape]]) -> mx.array:
     """`gdn.gdn_forward` with a tape, over N sequences whose batch-1 states are stacked."""
     N, S, _ = x.shape
-    convs, states = [], []
-    for c in caches:
-        conv, state = c[0], c[1]
-        if conv is None:
-            conv = mx.zeros((1, mod.conv_kernel_size - 1, mod.conv_dim), dtype=x.dtype)
-        if state is None:
-            state = mx.zeros((1, mod.num_v_heads, mod.head_v_dim, mod.head_k_dim), mx.float32)
-        convs.append(conv)
-        states.append(state)
+    convs, states = zip(*(cache_states(mod, c, 1, x.dtype) for c in caches))
     state_in = mx.concatenate(states, axis=0)  # [N, Hv, Dv, Dk]
     conv_state = mx.concatenate(convs, axis=0)  # [N, K-1, conv_dim]
     out, conv_input, state, extra = _math_for(mod, True, S)(x, conv_state, state_in)

@@ -306,17 +306,29 @@ def _gdn_math(mod: nn.Module, x: mx.array, conv_state: mx.array, state_in: mx.ar
     return out, conv_input, state, extra
 
 
-def _math_for(mod: nn.Module, taped: bool, rows: int):
+def cache_states(mod: nn.Module, cache, batch: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """(conv state, recurrent state) a GDN layer's cache holds, zeros before its first token."""
+    conv, state = cache[0], cache[1]
+    if conv is None:
+        conv = mx.zeros((batch, mod.conv_kernel_size - 1, mod.conv_dim), dtype=dtype)
+    if state is None:
+        state = mx.zeros((batch, mod.num_v_heads, mod.head_v_dim, mod.head_k_dim), mx.float32)
+    return conv, state
+
+
+def _compiled_key(mod: nn.Module, taped: bool, rows: int) -> tuple | None:
+    """What a compiled GDN graph of `rows` rows depends on beyond shapes, or None when such a
+    pass runs op by op (long prefill chunks; a block kernel that failed inside compile)."""
     if rows > COMPILE_MAX_ROWS or (not BLOCK_KERNEL_IN_COMPILE and _block_kernel(rows)):
+        return None
+    tape_kind = (_one_chunk_tape(mod, rows), _row_states_tape(rows)) if taped else ()
+    return (id(mod), taped, *tape_kind, id(BLOCK_KERNEL), MLX_LM_PREFILL)
+
+
+def _math_for(mod: nn.Module, taped: bool, rows: int):
+    key = _compiled_key(mod, taped, rows)
+    if key is None:
         return lambda *a: _gdn_math(mod, *a, taped)
-    key = (
-        id(mod),
-        taped,
-        taped and _one_chunk_tape(mod, rows),
-        id(BLOCK_KERNEL),
-        taped and _row_states_tape(rows),
-        MLX_LM_PREFILL,
-    )
     if key not in _compiled:
         _compiled[key] = mx.compile(lambda x, conv, state: _gdn_math(mod, x, conv, state, taped))
     return _compiled[key]
@@ -338,10 +350,10 @@ def layer_for(layer: nn.Module, taped: bool, rows: int, post):
         out = post(layer, h, r)
         return out, conv_input[:, -n_conv:, :], state, ((conv_input, extra) if taped else ())
 
-    if rows > COMPILE_MAX_ROWS or (not BLOCK_KERNEL_IN_COMPILE and _block_kernel(rows)):
+    key = _compiled_key(mod, taped, rows)
+    if key is None:
         return fn
-    key = ("layer", id(layer), id(post), taped, taped and _one_chunk_tape(mod, rows))
-    key += (id(BLOCK_KERNEL), taped and _row_states_tape(rows), MLX_LM_PREFILL)
+    key = ("layer", id(layer), id(post), *key)
     if key not in _compiled:
         _compiled[key] = mx.compile(fn)
     return _compiled[key]
@@ -350,12 +362,7 @@ def layer_for(layer: nn.Module, taped: bool, rows: int, post):
 def gdn_forward(mod: nn.Module, x: mx.array, cache, tape: list | None = None) -> mx.array:
     """mlx-lm's GDN forward (no padding mask) on `cache`; with `tape`, appends a GDNTape."""
     B, S, _ = x.shape
-    conv_state = cache[0]
-    if conv_state is None:
-        conv_state = mx.zeros((B, mod.conv_kernel_size - 1, mod.conv_dim), dtype=x.dtype)
-    state_in = cache[1]
-    if state_in is None:
-        state_in = mx.zeros((B, mod.num_v_heads, mod.head_v_dim, mod.head_k_dim), mx.float32)
+    conv_state, state_in = cache_states(mod, cache, B, x.dtype)
     out, conv_input, state, extra = _math_for(mod, tape is not None, S)(x, conv_state, state_in)
     cache[0] = conv_input[:, -(mod.conv_kernel_size - 1) :, :]
     cache[1] = state

@@ -152,11 +152,7 @@ class Target:
         wanted = {layer_id: None for layer_id in tap_ids}
         for i, (layer, c, fn) in enumerate(zip(self.layers, cache, self._plan(S, taped))):
             if fn is not None:  # a GDN layer: norm, mixer, residual and MLP in one call
-                conv, state_in = c[0], c[1]
-                if conv is None or state_in is None:
-                    zero_conv, zero_state = self._zero_gdn_state(layer.linear_attn, h.dtype)
-                    conv = zero_conv if conv is None else conv
-                    state_in = zero_state if state_in is None else state_in
+                conv, state_in = gdn.cache_states(layer.linear_attn, c, 1, h.dtype)
                 h, c[0], c[1], extra = fn(h, conv, state_in)
                 c.advance(S)
                 if taped:
@@ -190,13 +186,10 @@ class Target:
         (attention: mlx-lm's module, then the compiled residual and MLP). Cached for the
         compiled row counts."""
         key = None
-        if rows <= COMPILE_MAX_ROWS:
-            # what gdn.layer_for's compiled graphs depend on, beyond the shapes
-            key = (rows, taped, id(gdn.BLOCK_KERNEL), gdn.BLOCK_KERNEL_IN_COMPILE)
-            key += (gdn.BLOCK_KERNEL_MAX_ROWS, gdn.MLX_LM_PREFILL, mx.default_device().type)
-            if taped and self._first_gdn is not None:
-                mod = self.layers[self._first_gdn].linear_attn
-                key += (gdn._one_chunk_tape(mod, rows), gdn._row_states_tape(rows))
+        if self._first_gdn is not None:  # what gdn.layer_for's compiled graphs depend on
+            key = gdn._compiled_key(self.layers[self._first_gdn].linear_attn, taped, rows)
+        if key is not None:
+            key = (rows, *key[1:], gdn.BLOCK_KERNEL_MAX_ROWS, mx.default_device().type)
             plan = self._plans.get(key)
             if plan is not None:
                 return plan
@@ -214,14 +207,6 @@ class Target:
         self._plans.clear()
         self._compiled_mlp.clear()
         gdn._compiled.clear()
-
-    @staticmethod
-    def _zero_gdn_state(mod, dtype) -> tuple[mx.array, mx.array]:
-        """A GDN layer's (conv state, recurrent state) before its first token."""
-        return (
-            mx.zeros((1, mod.conv_kernel_size - 1, mod.conv_dim), dtype=dtype),
-            mx.zeros((1, mod.num_v_heads, mod.head_v_dim, mod.head_k_dim), mx.float32),
-        )
 
     def _residual_mlp(self, layer, h: mx.array, r: mx.array) -> mx.array:
         """h + r, then the layer's MLP block: compiled for decode-sized row counts."""
