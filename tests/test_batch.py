@@ -8,10 +8,12 @@ import itertools
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import QuantizedKVCache
+from sanctum.engine.batch import _SPLIT_ATTENTION, _attention_batch
 from sanctum.engine.rounds import BatchDecoder
 from sanctum.engine.sampling import SamplingParams
 from sanctum.engine.speculative import LocalDraftPeer, generate, make_key
-from sanctum.engine.target import cache_offset
+from sanctum.engine.target import DequantizedView, cache_offset
 from test_engine import load_pair, tokens_of
 
 PROMPTS = [
@@ -87,6 +89,57 @@ def run_batch(decoder, target, specs):
             decoder.close(seq)
         seqs = [s for s in seqs if s.finished is None]
     return out, widths
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense", "moe", "next"])
+@pytest.mark.parametrize("dequantize_q8", [False, True])
+def test_split_attention_equals_mlx_lm_module_per_sequence(make_pair, kind, dequantize_q8):
+    """The batched projections + per-sequence cache part give each sequence what mlx-lm's own
+    module gives it on its own cache (ragged lengths, fp16 and 8-bit KV), caches included."""
+    target, _ = load_pair(make_pair, kind, "dflash")
+    i = target._first_attn
+    attn = target.layers[i].self_attn
+    assert type(attn) in _SPLIT_ATTENTION  # the split, not the whole-module fallback
+    N, L, H = 4, 8, target.hidden_size
+    kvs, lengths = ["fp16", "q8", "q8", "fp16"], [5, 0, 70, 33]
+
+    def caches():  # the same ragged history in each copy, written by the module itself
+        out = []
+        for n, (kv, length) in enumerate(zip(kvs, lengths)):
+            c = target.make_cache(kv)[i]
+            if length:
+                attn(mx.random.normal((1, length, H), key=mx.random.key(n)), "causal", c)
+            out.append(DequantizedView(c) if dequantize_q8 and kv == "q8" else c)
+        return out
+
+    x = mx.random.normal((N, L, H), key=mx.random.key(99))
+    solo_caches, batch_caches = caches(), caches()
+    want = [attn(x[n : n + 1], "causal", c) for n, c in enumerate(solo_caches)]
+    got = _attention_batch(attn, x, ["causal"] * N, batch_caches)
+    for n, (a, b) in enumerate(zip(solo_caches, batch_caches)):
+        # the projections over N * L rows may differ from L rows' in the last bit, which can
+        # move an 8-bit key one quantization step
+        atol = 1e-4 if kvs[n] == "q8" else 1e-5
+        assert mx.allclose(got[n : n + 1], want[n], atol=atol, rtol=1e-5), f"sequence {n}"
+        a, b = getattr(a, "cache", a), getattr(b, "cache", b)  # under a DequantizedView
+        assert a.offset == b.offset == lengths[n] + L
+        for (ka, step), (kb, _) in zip(_kv(a), _kv(b)):
+            assert mx.abs(ka - kb).max().item() <= step + 1e-5, f"sequence {n} cache"
+    # a module type without a split runs whole, once per sequence: mlx-lm's own output
+    whole = _attention_batch(lambda *a: attn(*a), x, ["causal"] * N, caches())
+    assert all(mx.array_equal(whole[n : n + 1], want[n]) for n in range(N))
+
+
+def _kv(c) -> list[tuple[mx.array, float]]:
+    """A KV cache's keys and values so far (dequantized if 8-bit), each with its largest
+    quantization step (0 for fp16)."""
+    if isinstance(c, QuantizedKVCache):
+        return [
+            (mx.dequantize(*t, group_size=c.group_size, bits=c.bits)[..., : c.offset, :],
+             t[1].max().item())
+            for t in (c.keys, c.values)
+        ]  # fmt: skip
+    return [(c.keys[..., : c.offset, :], 0.0), (c.values[..., : c.offset, :], 0.0)]
 
 
 @pytest.mark.parametrize(

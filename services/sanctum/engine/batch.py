@@ -4,10 +4,12 @@ drafter body forward over their draft blocks.
 Each sequence keeps its own caches (attention KV of its own length and format, GDN state of
 batch 1), so nothing about a sequence changes when it joins or leaves a batch. For the forward,
 the rows of every sequence's block go through the dense parts of the model together ([N, L, H]:
-projections, MLPs, norms, the LM head, the GDN math with the states stacked on the batch axis);
-attention layers run per sequence on its own cache (different lengths, fp16 or 8-bit KV), as a
-solo verify runs them. Every row then computes what it computes alone: the batch axis only adds
-independent rows to the same kernels (tests/test_batch.py checks outputs token for token).
+projections, MLPs, norms, the LM head, the GDN math with the states stacked on the batch axis,
+the attention projections and output gate); only what touches a sequence's attention cache runs
+per sequence (RoPE at its offset, its KV update, the attention over its own length, fp16 or
+8-bit KV), as a solo verify runs it. Every row then computes what it computes alone: the batch
+axis only adds independent rows to the same kernels (tests/test_batch.py checks outputs token
+for token).
 
 Knows nothing about drafters, scheduling, Ray or gRPC.
 """
@@ -15,8 +17,10 @@ Knows nothing about drafters, scheduling, Ray or gRPC.
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models import qwen3, qwen3_moe
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from .drafter import ContextCache, DraftBody, block_attention_mask
 from .gdn import GDNTape, _math_for, cache_states, tape_entry
@@ -41,12 +45,12 @@ def verify_batch(
         if target.is_gdn[i]:
             r = _gdn_batch(layer.linear_attn, x, layer_caches, tapes)
         else:
-            rows = []
-            for n, c in enumerate(layer_caches):
-                if target.dequantize_q8 and isinstance(c, QuantizedKVCache):
-                    c = DequantizedView(c)
-                rows.append(layer.self_attn(x[n : n + 1], masks[n], c))
-            r = mx.concatenate(rows, axis=0)
+            if target.dequantize_q8:
+                layer_caches = [
+                    DequantizedView(c) if isinstance(c, QuantizedKVCache) else c
+                    for c in layer_caches
+                ]
+            r = _attention_batch(layer.self_attn, x, masks, layer_caches)
         h = target._residual_mlp(layer, h, r)
         if i in wanted:
             wanted[i] = h
@@ -57,6 +61,65 @@ def verify_batch(
         (logits[n], taps[n] if taps is not None else None, VerifyTape(starts[n], L, tapes[n]))
         for n in range(N)
     ]
+
+
+def _attention_batch(attn, x: mx.array, masks: list, caches: list) -> mx.array:
+    """An mlx-lm attention module over N sequences ([N, L, H]), each on its own KV cache.
+    mlx-lm's module takes one cache, so a batch of ragged caches needs its body split: the
+    projections (and the output gate) run once over all N * L rows, the cache part per sequence.
+    A module type not split here runs whole, once per sequence."""
+    split = _SPLIT_ATTENTION.get(type(attn))
+    if split is None:
+        rows = [attn(x[n : n + 1], mask, c) for n, (mask, c) in enumerate(zip(masks, caches))]
+        return mx.concatenate(rows, axis=0)
+    return split(attn, x, lambda q, k, v: _attend_each(attn, q, k, v, masks, caches))
+
+
+def _attend_each(attn, q, k, v, masks: list, caches: list) -> mx.array:
+    """The cache part of mlx-lm's attention, per sequence: RoPE at its own offset, its KV update,
+    the attention over its own length. q, k, v: [N, L, heads, head_dim]; returns
+    [N, L, heads * head_dim]."""
+    N, L = q.shape[:2]
+    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+    outs = []
+    for n, (mask, c) in enumerate(zip(masks, caches)):
+        row, offset = slice(n, n + 1), c.offset
+        keys, values = c.update_and_fetch(attn.rope(k[row], offset=offset), v[row])
+        queries = attn.rope(q[row], offset=offset)
+        outs.append(
+            scaled_dot_product_attention(
+                queries, keys, values, cache=c, scale=attn.scale, mask=mask
+            )
+        )
+    return mx.concatenate(outs, axis=0).transpose(0, 2, 1, 3).reshape(N, L, -1)
+
+
+def _gated_attention(attn: Qwen3NextAttention, x: mx.array, attend) -> mx.array:
+    """`Qwen3NextAttention.__call__` (Qwen3.5, Qwen3-Next) with its cache part as `attend`: q_proj
+    gives the queries and a sigmoid output gate, both per head."""
+    N, L, _ = x.shape
+    queries, gate = mx.split(attn.q_proj(x).reshape(N, L, attn.num_attention_heads, -1), 2, axis=-1)
+    keys = attn.k_norm(attn.k_proj(x).reshape(N, L, attn.num_key_value_heads, -1))
+    values = attn.v_proj(x).reshape(N, L, attn.num_key_value_heads, -1)
+    out = attend(attn.q_norm(queries), keys, values)  # [N, L, heads * head_dim]
+    return attn.o_proj(out * mx.sigmoid(gate.reshape(N, L, -1)))
+
+
+def _plain_attention(attn, x: mx.array, attend) -> mx.array:
+    """`Attention.__call__` of mlx-lm's qwen3 and qwen3_moe (the same body) with its cache part as
+    `attend`."""
+    N, L, _ = x.shape
+    queries = attn.q_norm(attn.q_proj(x).reshape(N, L, attn.n_heads, -1))
+    keys = attn.k_norm(attn.k_proj(x).reshape(N, L, attn.n_kv_heads, -1))
+    values = attn.v_proj(x).reshape(N, L, attn.n_kv_heads, -1)
+    return attn.o_proj(attend(queries, keys, values))
+
+
+_SPLIT_ATTENTION = {
+    Qwen3NextAttention: _gated_attention,
+    qwen3.Attention: _plain_attention,
+    qwen3_moe.Attention: _plain_attention,
+}
 
 
 def _gdn_batch(mod, x: mx.array, caches: list, tapes: list[list[GDNTape]]) -> mx.array:
