@@ -26,8 +26,6 @@ def test_few_row_qmm_kernel_matches_mlx():
     target's MLP shapes (5120 -> 17408 -> 5120) at the verify's row counts."""
     assert qmm_cuda.check() is None
     assert qmm_cuda.check(shapes=((17408, 5120), (5120, 17408)), rows=(2, 8, 16)) is None
-    narrow = qmm_cuda.narrow_verdict()  # the dense copy of a narrow layer: right, maybe slower
-    assert narrow is None or narrow.startswith("not faster"), narrow
 
 
 def test_cuda_paths_end_to_end():

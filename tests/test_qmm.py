@@ -55,28 +55,3 @@ def test_check_accepts_the_reference_and_catches_a_bad_kernel():
         return mx.concatenate([y[:1] * 1.5, y[1:]])
 
     assert "max error" in qmm_cuda.check(one_row_wrong)
-
-
-def test_narrow_layers_use_a_dense_copy_for_few_rows():
-    """A narrow 4-bit layer (<= 256 outputs) multiplies 2..16 rows by its dequantized bf16 copy:
-    close to the quantized product, one row unchanged bit for bit, no new parameter."""
-    wide, narrow = _layer(n_out=512), _layer(n_out=48, bias=True)
-    model = nn.Sequential(wide, narrow)
-    params = {k for k, _ in nn.utils.tree_flatten(model.parameters())}
-    xs = {rows: mx.random.normal((1, rows, 512)).astype(mx.bfloat16) for rows in (1, 8, 17)}
-    want = {rows: narrow(x) for rows, x in xs.items()}
-    exact = mx.dequantize(narrow.weight, narrow.scales, narrow.biases, group_size=64, bits=4)
-    exact = np.array(xs[8][0].astype(mx.float32) @ exact.astype(mx.float32).T + narrow.bias)
-    assert qmm_cuda.install_narrow(model) == 1
-    assert type(narrow) is qmm_cuda.NarrowQuantizedLinear and type(wide) is nn.QuantizedLinear
-    assert {k for k, _ in nn.utils.tree_flatten(model.parameters())} == params
-    got = {rows: narrow(x) for rows, x in xs.items()}
-    f32 = {
-        r: (np.array(got[r].astype(mx.float32)), np.array(want[r].astype(mx.float32))) for r in xs
-    }
-    np.testing.assert_array_equal(*f32[1])
-    np.testing.assert_array_equal(*f32[17])
-    np.testing.assert_allclose(f32[8][0][0], exact, atol=2e-2 * np.abs(exact).max())
-    with qmm_cuda.disabled(model):
-        np.testing.assert_array_equal(np.array(narrow(xs[8]).astype(mx.float32)), f32[8][1])
-    assert type(narrow) is qmm_cuda.NarrowQuantizedLinear

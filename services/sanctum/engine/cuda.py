@@ -18,9 +18,9 @@ load, and said loudly (log lines, and `report()` for the benchmarks).
   $SANCTUM_HOME/cuda-checks.json.
 - 4-bit matmuls of 2..16 rows (a verify block, the draft head): qmm_cuda.py's kernel, which
   reads the weights once for all rows (MLX CUDA's costs ~2.6x its one-row kernel at 8 rows),
-  and for narrow layers (<= 256 outputs, which MLX sends to a naive kernel) a bfloat16 copy of
-  the dequantized weight; each checked the same way, correct and faster than MLX's, before it
-  is used (`prepare_linear`); SANCTUM_QMM_KERNEL=off keeps MLX's for all.
+  checked the same way, correct and faster than MLX's, before it is used (`prepare_linear`);
+  SANCTUM_QMM_KERNEL=off keeps MLX's for all. (The narrow GDN gate projections, which MLX
+  sends to a naive kernel at several rows, are fused with their siblings: engine/fused.py.)
 """
 
 from __future__ import annotations
@@ -149,10 +149,6 @@ def prepare_linear(model) -> None:
     if os.environ.get("SANCTUM_QMM_KERNEL", "auto") == "off":
         _qmm["verdict"] = "off (SANCTUM_QMM_KERNEL=off)"
         return
-    narrow = _child_verdict(f"mlx {mx.__version__} narrow", ["sanctum.engine.qmm_cuda", "narrow"])
-    _qmm["narrow_verdict"] = narrow or "ok"
-    if narrow is None:
-        _qmm["narrow_layers"] = _qmm.get("narrow_layers", 0) + qmm_cuda.install_narrow(model)
     source = hashlib.sha1(qmm_cuda.SOURCE.encode()).hexdigest()[:12]
     result = _child_verdict(f"mlx {mx.__version__} qmm {source}", ["sanctum.engine.qmm_cuda"])
     _qmm["verdict"] = result or "ok"

@@ -20,6 +20,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.utils import dequantize_model
 
+from . import fused
 from .drafter_config import DrafterConfig
 from .target import CheckpointError, read_config, resolve_checkpoint
 
@@ -124,10 +125,11 @@ class DraftAttention(nn.Module):
     def make_cache(self) -> ContextCache:
         return ContextCache(self.window - 1 if self.window is not None else None)
 
-    def _kv(self, x: mx.array, start) -> tuple[mx.array, mx.array]:
+    def _kv(self, x: mx.array, start, projected=None) -> tuple[mx.array, mx.array]:
         B, S, _ = x.shape
-        k = self.k_norm(self.k_proj(x).reshape(B, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        k, v = projected or (self.k_proj(x), self.v_proj(x))
+        k = self.k_norm(k.reshape(B, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=start), v
 
     def add_context(self, ctx: mx.array, start: int, cache: ContextCache) -> None:
@@ -138,9 +140,10 @@ class DraftAttention(nn.Module):
 
     def __call__(self, x: mx.array, start: int, cache: ContextCache) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q, k, v = fused.project(self, fused.QKV, x)
+        q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=start)
-        k, v = self._kv(x, start)
+        k, v = self._kv(x, start, (k, v))
         num_ctx = cache.num_rows
         if num_ctx:
             ck, cv = cache.fetch()
@@ -158,7 +161,8 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused.project(self, fused.GATED_MLP, x)
+        return self.down_proj(nn.silu(gate) * up)
 
 
 class DynamicConv(nn.Module):
@@ -424,6 +428,7 @@ def load_drafter(
                 raise ValueError(f"drafter bits must be 0/16 (none) or one of 2-8, got {bits}")
             nn.quantize(body, group_size=64, bits=bits, class_predicate=_quantizable(bits))
         mx.eval(body.parameters())
+        fused.fuse_drafter(body)  # q/k/v and gate/up each one product
     if parts in ("both", "head"):
         if target is None and parts == "both":
             raise ValueError("the head needs the target's LM head")

@@ -32,6 +32,8 @@ from mlx_lm.models.gated_delta import (
 )
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
+from . import fused
+
 # Row counts up to this run through mx.compile (one graph per shape: decode steps and verify
 # blocks); longer prefill chunks run op by op rather than compile a graph per prompt length.
 COMPILE_MAX_ROWS = 32
@@ -259,12 +261,13 @@ def _project(mod: nn.Module, x: mx.array):
     """The two mlx-lm GDN classes differ only in how the input projections are laid out."""
     B, S, _ = x.shape
     if isinstance(mod, Qwen3NextGatedDeltaNet):
-        q, k, v, z, b, a = mod.fix_query_key_value_ordering(mod.in_proj_qkvz(x), mod.in_proj_ba(x))
+        q, k, v, z, b, a = mod.fix_query_key_value_ordering(
+            *fused.project(mod, fused.GDN_GROUPS[1], x)
+        )
         qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], -1)
         return qkv, z, b, a
-    qkv = mod.in_proj_qkv(x)
-    z = mod.in_proj_z(x).reshape(B, S, mod.num_v_heads, mod.head_v_dim)
-    return qkv, z, mod.in_proj_b(x), mod.in_proj_a(x)
+    qkv, z, b, a = fused.project(mod, fused.GDN_GROUPS[0], x)
+    return qkv, z.reshape(B, S, mod.num_v_heads, mod.head_v_dim), b, a
 
 
 def _gdn_math(mod: nn.Module, x: mx.array, conv_state: mx.array, state_in: mx.array, taped: bool):

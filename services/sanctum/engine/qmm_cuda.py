@@ -225,62 +225,10 @@ def install(model: nn.Module) -> int:
     return count
 
 
-# Output features up to this: a narrow layer (Qwen3.5's GDN gate projections in_proj_a/b, 48
-# features) goes through MLX CUDA's naive quantized kernel at several rows, ~94 us a call at the
-# seed's shapes on the H200 (96 calls, 9.1 ms of a 42 ms verify, in a CUPTI trace).
-NARROW_MAX_OUT = 256
-
-
-def is_narrow(module: nn.Module) -> bool:
-    """A small quantized layer whose dequantized bfloat16 copy costs little memory."""
-    return (
-        type(module) is nn.QuantizedLinear
-        and module["weight"].shape[0] <= NARROW_MAX_OUT
-        and module["scales"].dtype == mx.bfloat16
-    )
-
-
-class NarrowQuantizedLinear(nn.QuantizedLinear):
-    """A narrow QuantizedLinear whose calls of 2..MAX_ROWS rows multiply by a bfloat16 copy of
-    its dequantized weight (`install_narrow` keeps it beside the 4-bit one); one row, as in a
-    decode step, keeps MLX's quantized kernel."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        rows = x.size // x.shape[-1]
-        if not (1 < rows <= MAX_ROWS and x.dtype == mx.bfloat16):
-            return super().__call__(x)
-        y = x @ self.dense_t
-        if "bias" in self:
-            y = y + self["bias"]
-        return y
-
-
-def install_narrow(model: nn.Module) -> int:
-    """Give every narrow 4-bit layer of `model` its dense copy (not a parameter: nothing saved
-    or counted changes); returns how many layers."""
-    count = 0
-    for _, module in model.named_modules():
-        if is_narrow(module):
-            dense = mx.dequantize(
-                module["weight"],
-                module["scales"],
-                module.get("biases"),
-                group_size=module.group_size,
-                bits=module.bits,
-                mode=getattr(module, "mode", "affine"),
-            )
-            mx.eval(dense)
-            object.__setattr__(module, "dense_t", dense.T)
-            module.__class__ = NarrowQuantizedLinear
-            count += 1
-    return count
-
-
 @contextmanager
 def disabled(model: nn.Module):
     """MLX's own kernel for every call inside the block (a benchmark's before/after)."""
-    kinds = (FewRowsQuantizedLinear, NarrowQuantizedLinear)
-    swapped = [(m, type(m)) for _, m in model.named_modules() if type(m) in kinds]
+    swapped = [(m, type(m)) for _, m in model.named_modules() if type(m) is FewRowsQuantizedLinear]
     for m, _ in swapped:
         m.__class__ = nn.QuantizedLinear
     try:
@@ -364,37 +312,6 @@ def verdict() -> str | None:
     return None
 
 
-def narrow_verdict(n_out: int = 48, n_in: int = 5120, rows: int = 8, reps: int = 5) -> str | None:
-    """The dense copy of a narrow layer: its products within bfloat16 rounding of the exact
-    (float32) product of the dequantized weight, and faster at `rows` rows in a chain than
-    MLX's quantized kernel (else it is not used)."""
-    w = (mx.random.normal((n_out, n_in)) * n_in**-0.5).astype(mx.bfloat16)
-    layer = nn.QuantizedLinear(n_in, n_out, bias=False, group_size=64, bits=4)
-    layer.weight, layer.scales, layer.biases = mx.quantize(w, group_size=64, bits=4)
-    x = mx.random.normal((rows, n_in)).astype(mx.bfloat16)
-    exact = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=64, bits=4)
-    want = x.astype(mx.float32) @ exact.astype(mx.float32).T  # what both kernels approximate
-    install_narrow(layer)
-    got = layer(x)
-    err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
-    scale = mx.abs(want.astype(mx.float32)).max().item() + 1e-6
-    if not err <= 2e-2 * scale:
-        return f"dense copy differs: max error {err:.3g} (scale {scale:.3g})"
-
-    def chain(fn):
-        h = x
-        for _ in range(16):  # each product feeds the next input (a dependency, not overlap)
-            h = h * (1 + 0 * fn(h).sum())
-        mx.eval(h)
-
-    ours = _median_ms(lambda: chain(layer), reps)
-    with disabled(layer):
-        theirs = _median_ms(lambda: chain(layer), reps)
-    if not ours < 0.9 * theirs:
-        return f"not faster at {rows} rows: {ours:.2f} ms against {theirs:.2f} ms"
-    return None
-
-
 if __name__ == "__main__":  # engine/cuda.py runs the checks here, in a child process
-    print(json.dumps({"verdict": narrow_verdict() if sys.argv[1:] == ["narrow"] else verdict()}))
+    print(json.dumps({"verdict": verdict()}))
     sys.exit(0)

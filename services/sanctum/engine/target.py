@@ -17,7 +17,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
-from . import cuda, gdn
+from . import cuda, fused, gdn
 from .gdn import COMPILE_MAX_ROWS, GDNTape
 
 # mlx-lm model types whose layers are all full attention or Gated DeltaNet.
@@ -112,6 +112,8 @@ class Target:
         mixers = [layer.linear_attn for layer, g in zip(self.layers, self.is_gdn) if g]
         shapes = {(m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim) for m in mixers}
         cuda.prepare(shapes, self.dtype)  # on CUDA: check the fused GDN kernel on these
+        # multi-row passes: each layer's sibling input projections as one product
+        self.fused_groups = fused.fuse_target(self.layers)
         cuda.prepare_linear(model)  # on CUDA: few-row 4-bit matmuls through a checked kernel
 
     # ---- caches -------------------------------------------------------------------------
@@ -323,7 +325,7 @@ class DequantizedView:
 def _residual_mlp(layer, h: mx.array, r: mx.array) -> mx.array:
     # the second half of mlx-lm's DecoderLayer.__call__ (same for every supported model type)
     h = h + r
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return h + fused.gated_mlp(layer.mlp, layer.post_attention_layernorm(h))
 
 
 def cache_offset(cache: list) -> int:

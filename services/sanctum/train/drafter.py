@@ -23,6 +23,7 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten
 
+from ..engine import fused
 from ..engine.drafter import CandidateSelector, DraftBody
 from ..engine.drafter_config import DrafterConfig, default_tap_ids
 from ..engine.target import Target
@@ -182,6 +183,7 @@ def init_trainee(path: str | Path, target: Target) -> tuple[Trainee, dict]:
     from ..engine.drafter import load_drafter
 
     drafter = load_drafter(path, target)
+    fused.unfuse(drafter.body)  # trained: every layer computes from its own parameters
     raw = json.loads((Path(drafter.path) / "config.json").read_text())
     raw.pop("quantization", None)
     trainee = Trainee(drafter.body, drafter.head.get("candidate_selector"))
@@ -241,6 +243,7 @@ def target_for_training(target: Target, dtype: str | None = "float32") -> Target
     loaded), so that a drafter trained on the GPU learns the numbers it will be served with."""
     from mlx_lm.utils import dequantize_model
 
+    fused.unfuse(target.model)  # its layers are replaced or re-cast below
     if target.config.get("dequantize_on_cpu") and mx.default_device() != mx.cpu:
         dequantize_model(target.model)
     if dtype:
