@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
-from ..engine import cuda, gdn, qmm_cuda
+from ..engine import cuda, fused, gdn, qmm_cuda
 from ..engine.sampling import SamplingParams, acceptance_length, greedy_tokens
 from ..engine.speculative import Decoder, LocalDraftPeer, make_key
 from ..engine.target import load_target
@@ -199,6 +199,21 @@ def plain_figures(target, prompt: list[int], n: int, repeats: int, kv: str) -> d
     out["plain_equals_mlx_lm_tokens_same_prefill"] = (
         f"{_same_prefix(x_tokens, m_tokens)}/{len(m_tokens)}"
     )
+    if target.fused_groups:  # an experiment: decode steps through the fused products too
+        fused.MIN_ROWS = 1
+        target.drop_compiled()
+        try:
+            _decode(plain, prompt, 8, kv)
+            runs = [_decode(plain, prompt, n, kv) for _ in range(repeats)]
+        finally:
+            fused.MIN_ROWS = 2
+            target.drop_compiled()
+        rate = statistics.median((len(f) - 1) / f_s for f, _, f_s in runs)
+        out["fused_decode_tok_s"] = round(rate, 2)
+        out["fused_decode_vs_mlx_lm"] = round(rate / out["mlx_lm_tok_s"], 3)
+        out["fused_decode_equals_plain_tokens"] = (
+            f"{_same_prefix(runs[0][0], tokens)}/{len(tokens)}"
+        )
     return out, tokens
 
 
@@ -280,6 +295,14 @@ def seed(args) -> dict:
             say(f"verify without the few-row 4-bit kernel: {result['without_qmm_kernel']}")
     if swapped:
         target.drop_compiled()
+    if target.fused_groups:  # each layer's projections on their own: fused.py's before/after
+        with fused.disabled():
+            target.drop_compiled()
+            result["without_fused_projections"] = verify_costs(
+                target, prompt, tap_ids, args.reps, kv
+            )[0]
+        target.drop_compiled()
+        say(f"verify without fused projections: {result['without_fused_projections']}")
     if drafter is None:  # --plain-only
         return result
     say(f"rounds at block {drafter.block_size}, acceptance forced")
