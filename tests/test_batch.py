@@ -9,7 +9,8 @@ import itertools
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache
-from sanctum.engine.batch import _SPLIT_ATTENTION, _attention_batch
+from sanctum.engine import rounds
+from sanctum.engine.batch import _SPLIT_ATTENTION, _attention_batch, verify_batch
 from sanctum.engine.rounds import BatchDecoder
 from sanctum.engine.sampling import SamplingParams
 from sanctum.engine.speculative import LocalDraftPeer, generate, make_key
@@ -140,6 +141,44 @@ def _kv(c) -> list[tuple[mx.array, float]]:
             for t in (c.keys, c.values)
         ]  # fmt: skip
     return [(c.keys[..., : c.offset, :], 0.0), (c.values[..., : c.offset, :], 0.0)]
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "next"])
+@pytest.mark.parametrize("tape", ["chunk", "row_states"])
+def test_a_block_padded_at_its_end_verifies_and_rolls_back_as_alone(
+    make_pair, monkeypatch, kind, tape
+):
+    """A narrower block padded to the batch's width: its real rows' logits and taps are the
+    solo verify's, and a rollback to any keep <= its width drops the padded rows' KV and GDN
+    states (the next token's logits are a fresh forward's), on both kinds of GDN tape."""
+    from sanctum.engine import gdn, gdn_cuda
+
+    if tape == "row_states":  # the CUDA kernel's taped variant, through its pure-MLX stand-in
+        monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
+        monkeypatch.setattr(gdn, "BLOCK_KERNEL_KEEPS_ROWS", True)
+    target, _ = load_pair(make_pair, kind, "dflash")
+    taps = (1, 3)
+    ids = [target.tokenizer.encode(p) for p in PROMPTS[:2]]
+    narrow, wide = [11, 52, 7], [5, 9, 100, 31, 2, 77, 8, 40]
+    for keep in (0, 1, 3):
+        solo_cache = target.make_cache()
+        target.prefill(ids[0], solo_cache)
+        want_logits, want_taps, _ = target.verify(mx.array(narrow), solo_cache, taps)
+        caches = [target.make_cache(), target.make_cache()]
+        for c, prompt in zip(caches, ids):
+            target.prefill(prompt, c)
+        blocks = mx.array([narrow + [0] * 5, wide])
+        (logits, got_taps, vtape), _ = verify_batch(target, blocks, caches, taps, [3, 8])
+        assert logits.shape[0] == got_taps.shape[0] == vtape.num_rows == 3
+        kept = [t.row_states if tape == "row_states" else t.chunk_parts for t in vtape.gdn]
+        assert vtape.gdn and all(k is not None for k in kept)
+        assert mx.allclose(logits, want_logits, atol=1e-4, rtol=1e-4)
+        assert mx.allclose(got_taps, want_taps, atol=1e-4, rtol=1e-4)
+        target.rollback(caches[0], vtape, keep)
+        assert cache_offset(caches[0]) == len(ids[0]) + keep
+        got, _ = target.forward(mx.array([7]), caches[0])
+        want, _ = target.forward(mx.array(ids[0] + narrow[:keep] + [7]), target.make_cache())
+        assert mx.allclose(got[-1], want[-1], atol=1e-4, rtol=1e-4), f"keep {keep}"
 
 
 @pytest.mark.parametrize(
@@ -302,7 +341,9 @@ def test_a_drafter_that_is_down_turns_the_batch_into_plain_steps(make_pair):
         assert got[f"s{i}"] == solo(target, drafter, p, 20), f"sequence {i}"
 
 
-def test_adaptive_width_shrinks_a_rejected_sequence_without_holding_back_the_others(make_pair):
+def test_adaptive_width_shrinks_a_rejected_sequence_without_holding_back_the_others(
+    make_pair, monkeypatch
+):
     target, drafter = load_pair(make_pair, "hybrid", "dflash")
     L = 8
     refs = {f"s{i}": solo(target, None, p, 40) for i, p in enumerate(PROMPTS[:3])}
@@ -322,8 +363,18 @@ def test_adaptive_width_shrinks_a_rejected_sequence_without_holding_back_the_oth
         return step
 
     decoder._settle = watched
+    verified = []  # the real widths of each target forward's blocks
+
+    def verify(target, blocks, caches, tap_ids, widths=None):
+        verified.append(widths)
+        return verify_batch(target, blocks, caches, tap_ids, widths)
+
+    monkeypatch.setattr(rounds, "verify_batch", verify)
     specs = [(f"s{i}", p, 40, "fp16", (), None) for i, p in enumerate(PROMPTS[:3])]
-    got, _ = run_batch(decoder, target, specs)
+    got, batch_sizes = run_batch(decoder, target, specs)
+    # one target forward a shared round, whatever its mix of widths
+    assert len(verified) == sum(n > 1 for n in batch_sizes)
+    assert any(len(set(w)) > 1 for w in verified)
     for i in range(3):
         assert got[f"s{i}"] == refs[f"s{i}"], f"sequence {i}"
     assert seen["s0"][:3] == [8, 4, 2] and set(seen["s0"][2:]) == {2}

@@ -28,11 +28,18 @@ from .target import DequantizedView, Target, VerifyTape, cache_offset
 
 
 def verify_batch(
-    target: Target, blocks: mx.array, caches: list[list], tap_ids: tuple[int, ...]
+    target: Target,
+    blocks: mx.array,  # [N, L] ints: each an anchor + drafts, padded at its end
+    caches: list[list],
+    tap_ids: tuple[int, ...],
+    widths: list[int] | None = None,  # each block's real rows; None: all L
 ) -> list[tuple[mx.array, mx.array, VerifyTape]]:
-    """Run N draft blocks ([N, L] ints: each an anchor + drafts) on their N caches in one
-    forward; returns per sequence what `Target.verify` returns for its block alone."""
+    """Run N draft blocks on their N caches in one forward; returns per sequence what
+    `Target.verify` returns for its block alone. The target is causal, so rows padded after a
+    block's `widths[n]` real rows leave those rows' results as they are; its tape's rollback
+    (keep <= widths[n]) discards the padded rows' KV and states."""
     N, L = blocks.shape
+    widths = widths or [L] * N
     starts = [cache_offset(c) for c in caches]
     tapes: list[list[GDNTape]] = [[] for _ in range(N)]
     h = target.embed_tokens(blocks)  # [N, L, H]
@@ -58,8 +65,12 @@ def verify_batch(
     logits = target.lm_head(target.norm(h))  # [N, L, V]
     taps = mx.concatenate([wanted[i] for i in tap_ids], axis=-1) if tap_ids else None
     return [
-        (logits[n], taps[n] if taps is not None else None, VerifyTape(starts[n], L, tapes[n]))
-        for n in range(N)
+        (
+            logits[n, :w],
+            taps[n, :w] if taps is not None else None,
+            VerifyTape(starts[n], w, tapes[n]),
+        )
+        for n, w in enumerate(widths)
     ]
 
 

@@ -24,23 +24,28 @@ class BatchDecoder(Decoder):
 
     def step_batch(self, seqs: list[Sequence], keys: list[mx.array]) -> list[Step]:
         """One round of each sequence: the blocks of one width (all of them, unless adaptive
-        width shrank some) drafted in one drafter forward and verified in ONE target forward.
-        Each sequence's output is what `step` gives it alone: its own key, width, acceptance,
-        commit and rollback. Sequences that cannot draft now (a drafter that is down) take a
-        plain step instead."""
+        width shrank some) drafted in one drafter forward, and all blocks verified in ONE
+        target forward (the narrower ones padded at their end). Each sequence's output is what
+        `step` gives it alone: its own key, width, acceptance, commit and rollback. Sequences
+        that cannot draft now (a drafter that is down) take a plain step instead."""
         if self.peer is None or self.block_size <= 1 or self.profile or len(seqs) < 2:
             return [self.step(seq, key) for seq, key in zip(seqs, keys)]
         steps: dict[int, Step] = {}
         groups: dict[int, list[int]] = {}  # width -> indices of the sequences drafting it
         for i, seq in enumerate(seqs):
             groups.setdefault(self.width(seq), []).append(i)
-        for width, idx in groups.items():
-            self._group_round(width, [seqs[i] for i in idx], [keys[i] for i in idx], idx, steps)
+        t0 = time.perf_counter()
+        drafted = []  # (index, seq, drafts [width-1], q, accept key)
+        for idx in groups.values():
+            drafted += self._draft_group([seqs[i] for i in idx], [keys[i] for i in idx], idx, steps)
+        if drafted:
+            self._verify_all(drafted, time.perf_counter() - t0, steps)
         return [steps[i] for i in range(len(seqs))]
 
-    def _group_round(self, width, seqs, keys, idx, steps: dict) -> None:
-        drafted = []  # (index, seq, drafts [L-1], q, accept key)
-        t0 = time.perf_counter()
+    def _draft_group(self, seqs, keys, idx, steps: dict) -> list:
+        """Draft the blocks of one width group in one drafter forward; a sequence that cannot
+        draft takes its plain step (into `steps`) now."""
+        drafted = []
         split = [mx.random.split(key) for key in keys]  # (draft key, accept key), as in `step`
         proposals = self._draft_all(seqs, [k[0] for k in split])
         for i, seq, key, proposal, (_, k_acc) in zip(idx, seqs, keys, proposals, split):
@@ -48,21 +53,24 @@ class BatchDecoder(Decoder):
                 steps[i] = self._plain_step(seq, key)
             else:
                 drafted.append((i, seq, *proposal, k_acc))
+        return drafted
+
+    def _verify_all(self, drafted: list, draft_s: float, steps: dict) -> None:
+        """Verify every drafted block in one target forward and settle each sequence."""
         t1 = time.perf_counter()
-        if not drafted:
-            return
         blocks = [
             mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
             for _, seq, drafts, _, _ in drafted
         ]
+        widths = [b.shape[0] for b in blocks]
+        L = max(widths)
+        padded = mx.stack([mx.pad(b, (0, L - b.shape[0])) for b in blocks])  # [N, L]
         caches = [seq.cache for _, seq, _, _, _ in drafted]
-        outs = verify_batch(self.target, mx.stack(blocks), caches, self.tap_ids)
+        outs = verify_batch(self.target, padded, caches, self.tap_ids, widths)
         # the shared phases' wall time, split over the batch
-        draft_s, verify_s = (
-            (t - s) / len(drafted) for s, t in ((t0, t1), (t1, time.perf_counter()))
-        )
+        draft_s, verify_s = draft_s / len(drafted), (time.perf_counter() - t1) / len(drafted)
         for (i, seq, drafts, q, k_acc), block, out in zip(drafted, blocks, outs):
-            stats = RoundStats(width, 0, 0, draft_s, verify_s)
+            stats = RoundStats(block.shape[0], 0, 0, draft_s, verify_s)
             steps[i] = self._settle(seq, block, drafts, q, out, k_acc, stats)
 
     def _draft_all(self, seqs: list[Sequence], keys: list[mx.array]) -> list:
