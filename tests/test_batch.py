@@ -93,14 +93,24 @@ def run_batch(decoder, target, specs):
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "dense", "moe", "next"])
-@pytest.mark.parametrize("dequantize_q8", [False, True])
-def test_split_attention_equals_mlx_lm_module_per_sequence(make_pair, kind, dequantize_q8):
+@pytest.mark.parametrize("dequantize_q8,fused_qkv", [(False, False), (True, False), (False, True)])
+def test_split_attention_equals_mlx_lm_module_per_sequence(
+    make_pair, kind, dequantize_q8, fused_qkv
+):
     """The batched projections + per-sequence cache part give each sequence what mlx-lm's own
-    module gives it on its own cache (ragged lengths, fp16 and 8-bit KV), caches included."""
-    target, _ = load_pair(make_pair, kind, "dflash")
+    module gives it on its own cache (ragged lengths, fp16 and 8-bit KV, q/k/v fused or not),
+    caches included."""
+    from sanctum.engine import fused
+    from sanctum.engine.target import load_target
+
+    if fused_qkv:  # an own copy: the shared one keeps mlx-lm's layers
+        target = load_target(make_pair(kind, "dflash")[0])
+    else:
+        target, _ = load_pair(make_pair, kind, "dflash")
     i = target._first_attn
     attn = target.layers[i].self_attn
     assert type(attn) in _SPLIT_ATTENTION  # the split, not the whole-module fallback
+    assert fused.fuse(attn, fused.QKV) if fused_qkv else not fused.is_fused(attn, fused.QKV)
     N, L, H = 4, 8, target.hidden_size
     kvs, lengths = ["fp16", "q8", "q8", "fp16"], [5, 0, 70, 33]
 

@@ -22,6 +22,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import QuantizedKVCache
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
+from . import fused
 from .drafter import ContextCache, DraftBody, block_attention_mask
 from .gdn import GDNTape, _math_for, cache_states, tape_entry
 from .target import DequantizedView, Target, VerifyTape, cache_offset
@@ -77,7 +78,8 @@ def verify_batch(
 def _attention_batch(attn, x: mx.array, masks: list, caches: list) -> mx.array:
     """An mlx-lm attention module over N sequences ([N, L, H]), each on its own KV cache.
     mlx-lm's module takes one cache, so a batch of ragged caches needs its body split: the
-    projections (and the output gate) run once over all N * L rows, the cache part per sequence.
+    projections (and the output gate) run once over all N * L rows (q/k/v as one product where
+    fused at load: engine/fused.py), the cache part per sequence.
     A module type not split here runs whole, once per sequence."""
     split = _SPLIT_ATTENTION.get(type(attn))
     if split is None:
@@ -109,9 +111,10 @@ def _gated_attention(attn: Qwen3NextAttention, x: mx.array, attend) -> mx.array:
     """`Qwen3NextAttention.__call__` (Qwen3.5, Qwen3-Next) with its cache part as `attend`: q_proj
     gives the queries and a sigmoid output gate, both per head."""
     N, L, _ = x.shape
-    queries, gate = mx.split(attn.q_proj(x).reshape(N, L, attn.num_attention_heads, -1), 2, axis=-1)
-    keys = attn.k_norm(attn.k_proj(x).reshape(N, L, attn.num_key_value_heads, -1))
-    values = attn.v_proj(x).reshape(N, L, attn.num_key_value_heads, -1)
+    q, k, v = fused.project(attn, fused.QKV, x)
+    queries, gate = mx.split(q.reshape(N, L, attn.num_attention_heads, -1), 2, axis=-1)
+    keys = attn.k_norm(k.reshape(N, L, attn.num_key_value_heads, -1))
+    values = v.reshape(N, L, attn.num_key_value_heads, -1)
     out = attend(attn.q_norm(queries), keys, values)  # [N, L, heads * head_dim]
     return attn.o_proj(out * mx.sigmoid(gate.reshape(N, L, -1)))
 
@@ -120,9 +123,10 @@ def _plain_attention(attn, x: mx.array, attend) -> mx.array:
     """`Attention.__call__` of mlx-lm's qwen3 and qwen3_moe (the same body) with its cache part as
     `attend`."""
     N, L, _ = x.shape
-    queries = attn.q_norm(attn.q_proj(x).reshape(N, L, attn.n_heads, -1))
-    keys = attn.k_norm(attn.k_proj(x).reshape(N, L, attn.n_kv_heads, -1))
-    values = attn.v_proj(x).reshape(N, L, attn.n_kv_heads, -1)
+    q, k, v = fused.project(attn, fused.QKV, x)
+    queries = attn.q_norm(q.reshape(N, L, attn.n_heads, -1))
+    keys = attn.k_norm(k.reshape(N, L, attn.n_kv_heads, -1))
+    values = v.reshape(N, L, attn.n_kv_heads, -1)
     return attn.o_proj(attend(queries, keys, values))
 
 
