@@ -406,3 +406,35 @@ def test_adaptive_width_seeded_sampling_in_a_batch_equals_alone(make_pair):
     for spec in specs:
         alone, _ = run_batch(decoder(), target, [spec])
         assert got[spec[0]] == alone[spec[0]], spec[0]
+
+
+def test_blocks_padded_to_the_matrix_kernel_rows_decode_as_unpadded(make_pair, monkeypatch):
+    """On CUDA a narrow verify block is padded at its end to 8 rows in all (cuda.verify_width:
+    MLX's matrix kernel, which a batch reaches anyway). Forced here on the CPU: every acceptance
+    at widths 2-8 (adaptive width) gives the target's greedy output, solo and batched, and the
+    padded rows never reach a cache."""
+    from sanctum.engine import cuda
+
+    target, drafter = load_pair(make_pair, "hybrid", "dflash")
+    kvs = ["fp16", "q8", "fp16"]
+    refs = {f"s{i}": solo(target, None, p, 30, kv) for i, (p, kv) in enumerate(zip(PROMPTS, kvs))}
+    pads = []
+
+    def width(w, blocks=1):
+        pads.append(max(w, -(-8 // blocks)) - w)
+        return w + pads[-1]
+
+    monkeypatch.setattr(cuda, "verify_width", width)
+    scripts = {
+        "s0": itertools.repeat(0),
+        "s1": itertools.cycle([0, 99, 99]),
+        "s2": itertools.cycle([1, 0, 6, 99]),
+    }
+    for specs in ([("s0", PROMPTS[0], 30, "fp16", (), None)],
+                  [(f"s{i}", p, 30, kv, (), None) for i, (p, kv) in enumerate(zip(PROMPTS, kvs))]):  # fmt: skip
+        decoder = ScriptedBatchDecoder(target, drafter, refs, dict(scripts), block_size=8)
+        decoder.adaptive = True
+        got, _ = run_batch(decoder, target, specs)
+        for seq_id, *_ in specs:
+            assert got[seq_id] == refs[seq_id], seq_id
+    assert any(p > 0 for p in pads)  # narrow blocks were padded

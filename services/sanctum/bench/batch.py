@@ -35,6 +35,12 @@ def add_parser(bsub) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded samples")
     p.add_argument("--adaptive-width", action="store_true", help="SANCTUM_ADAPTIVE_WIDTH=1")
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="serve each level once before timing it (compiled graphs per batch shape: slow "
+        "to build on a GPU, built once by a running server)",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -98,6 +104,9 @@ def run(args) -> dict:
         # round-robin of one request's round at a time), in the same run
         for clients, width in [(c, max(levels)) for c in levels] + [(max(levels), 1)]:
             sched.max_batch = width  # read by the worker loop between rounds; idle here
+            cold_s = None
+            if args.warm:  # a first pass traces and compiles each new [sequences, rows] shape
+                cold_s = round(_serve(sched, requests, clients)[0], 3)
             wall, out = _serve(sched, requests, clients)
             tokens = {i: toks for i, (toks, _) in out.items()}
             if alone is None:
@@ -117,6 +126,7 @@ def run(args) -> dict:
                     "completion_tokens": total,
                     "wall_s": round(wall, 3),
                     "outputs_equal_alone": tokens == alone,
+                    "cold_wall_s": cold_s,  # the same requests once before, untimed (--warm)
                 }
             )
         base = rows[0]["aggregate_tok_s"]

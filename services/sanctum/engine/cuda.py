@@ -138,6 +138,7 @@ def _child_verdict(key: str, module_args: list[str]) -> str | None:
 
 
 _qmm = {"verdict": "not checked", "layers": 0}
+MATRIX_ROWS = 8  # from this many rows MLX CUDA's 4-bit matmul runs its matrix kernel
 
 
 def prepare_linear(model) -> None:
@@ -158,6 +159,17 @@ def prepare_linear(model) -> None:
         return
     _qmm["layers"] += qmm_cuda.install(model)
     log.info("few-row 4-bit matmul kernel checked: %d layers use it", _qmm["layers"])
+
+
+def verify_width(width: int, blocks: int = 1) -> int:
+    """Rows a verify block of `width` is padded to (at its end: the target is causal) when
+    `blocks` blocks go through one forward: on CUDA enough for MATRIX_ROWS rows in all. Below
+    that MLX's 4-bit matmul runs one one-row kernel per row (2 rows ~2.4x the cost of 8,
+    ../shared/device/README.md), and a solo verify of a narrow block would round differently
+    from the same block in a batch, which reaches the matrix kernel."""
+    if not is_cuda():
+        return width
+    return max(width, -(-MATRIX_ROWS // blocks))
 
 
 def pad_rows(x: mx.array, multiple: int = 8) -> mx.array:

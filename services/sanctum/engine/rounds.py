@@ -63,7 +63,7 @@ class BatchDecoder(Decoder):
             for _, seq, drafts, _, _ in drafted
         ]
         widths = [b.shape[0] for b in blocks]
-        L = max(widths)
+        L = cuda.verify_width(max(widths), len(blocks))
         padded = mx.stack([mx.pad(b, (0, L - b.shape[0])) for b in blocks])  # [N, L]
         caches = [seq.cache for _, seq, _, _, _ in drafted]
         outs = verify_batch(self.target, padded, caches, self.tap_ids, widths)

@@ -225,8 +225,13 @@ class Target:
         """Run a draft block ([L] ints: anchor + drafts) in one forward, keeping a rollback tape."""
         gdn_tape: list[GDNTape] = []
         start = cache_offset(cache)
+        width = int(block.shape[0])
+        if (rows := cuda.verify_width(width)) > width:  # rows after the block: causal, dropped
+            block = mx.pad(block, (0, rows - width))  # by the rollback (keep <= width)
         logits, taps = self.forward(block, cache, tap_ids, all_logits=True, tape=gdn_tape)
-        return logits, taps, VerifyTape(start, int(block.shape[0]), gdn_tape)
+        if rows > width:
+            logits, taps = logits[:width], taps[:width] if taps is not None else None
+        return logits, taps, VerifyTape(start, width, gdn_tape)
 
     @staticmethod
     def rollback(cache: list, tape: VerifyTape, keep: int) -> list[mx.array]:
