@@ -200,13 +200,13 @@ def plain_figures(target, prompt: list[int], n: int, repeats: int, kv: str) -> d
         f"{_same_prefix(x_tokens, m_tokens)}/{len(m_tokens)}"
     )
     if target.fused_groups:  # an experiment: decode steps through the fused products too
-        fused.MIN_ROWS = 1
+        fused.MIN_ROWS, min_rows = 1, fused.MIN_ROWS
         target.drop_compiled()
         try:
             _decode(plain, prompt, 8, kv)
             runs = [_decode(plain, prompt, n, kv) for _ in range(repeats)]
         finally:
-            fused.MIN_ROWS = 2
+            fused.MIN_ROWS = min_rows
             target.drop_compiled()
         rate = statistics.median((len(f) - 1) / f_s for f, _, f_s in runs)
         out["fused_decode_tok_s"] = round(rate, 2)

@@ -86,8 +86,6 @@ class FusedProjection:
 
 
 def _fusable(layers: list) -> bool:
-    if not all(isinstance(layer, (nn.Linear, nn.QuantizedLinear)) for layer in layers):
-        return False
     if any("bias" in layer for layer in layers):
         return False
     kinds = {type(layer) for layer in layers}
@@ -111,13 +109,12 @@ def fuse(owner: nn.Module, names: tuple[str, ...]) -> bool:
     """Fuse `owner`'s layers `names` (when all are there and alike) for `project`."""
     if not all(name in owner for name in names):
         return False
-    fused = owner.__dict__.setdefault(_KEY, {})
-    if names in fused:
+    if is_fused(owner, names):
         return True
     layers = [owner[name] for name in names]
     if not _fusable(layers):
         return False
-    fused[names] = FusedProjection(layers)
+    owner.__dict__.setdefault(_KEY, {})[names] = FusedProjection(layers)
     return True
 
 
