@@ -245,6 +245,33 @@ def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_
     return out
 
 
+def verify_ablations(target, prompt, tap_ids, reps: int, kv: str, say) -> dict:
+    """verify(L) / decode(1) again with each load-time speed path turned off in turn (the fused
+    GDN kernel, the few-row 4-bit kernel, the fused projections): their before/after."""
+    out: dict = {}
+    if gdn.BLOCK_KERNEL is not None:  # the same without the fused kernel: its before/after
+        kernel, gdn.BLOCK_KERNEL = gdn.BLOCK_KERNEL, None
+        try:
+            out["without_gdn_kernel"] = verify_costs(target, prompt, tap_ids, reps, kv)[0]
+            say(f"verify without the GDN kernel: {json.dumps(out['without_gdn_kernel'])}")
+        finally:
+            gdn.BLOCK_KERNEL = kernel
+    with qmm_cuda.disabled(target.model) as swapped:
+        if swapped:  # the same with MLX's own few-row 4-bit matmul: the kernel's before/after
+            target.drop_compiled()  # (compiled graphs would keep the kernel)
+            out["without_qmm_kernel"] = verify_costs(target, prompt, tap_ids, reps, kv)[0]
+            say(f"verify without the few-row 4-bit kernel: {out['without_qmm_kernel']}")
+    if swapped:
+        target.drop_compiled()
+    if target.fused_groups:  # each layer's projections on their own: fused.py's before/after
+        with fused.disabled():
+            target.drop_compiled()
+            out["without_fused_projections"] = verify_costs(target, prompt, tap_ids, reps, kv)[0]
+        target.drop_compiled()
+        say(f"verify without fused projections: {out['without_fused_projections']}")
+    return out
+
+
 def seed(args) -> dict:
     from ..engine.drafter import load_drafter
     from ..settings import sanctum_home
@@ -281,36 +308,17 @@ def seed(args) -> dict:
     costs, cache = verify_costs(target, prompt, tap_ids, args.reps, kv)
     result.update(costs)
     say(f"verify: {json.dumps(costs)}")
-    if gdn.BLOCK_KERNEL is not None:  # the same without the fused kernel: its before/after
-        kernel, gdn.BLOCK_KERNEL = gdn.BLOCK_KERNEL, None
-        try:
-            result["without_gdn_kernel"] = verify_costs(target, prompt, tap_ids, args.reps, kv)[0]
-            say(f"verify without the GDN kernel: {json.dumps(result['without_gdn_kernel'])}")
-        finally:
-            gdn.BLOCK_KERNEL = kernel
-    with qmm_cuda.disabled(target.model) as swapped:
-        if swapped:  # the same with MLX's own few-row 4-bit matmul: the kernel's before/after
-            target.drop_compiled()  # (compiled graphs would keep the kernel)
-            result["without_qmm_kernel"] = verify_costs(target, prompt, tap_ids, args.reps, kv)[0]
-            say(f"verify without the few-row 4-bit kernel: {result['without_qmm_kernel']}")
-    if swapped:
-        target.drop_compiled()
-    if target.fused_groups:  # each layer's projections on their own: fused.py's before/after
-        with fused.disabled():
-            target.drop_compiled()
-            result["without_fused_projections"] = verify_costs(
-                target, prompt, tap_ids, args.reps, kv
-            )[0]
-        target.drop_compiled()
-        say(f"verify without fused projections: {result['without_fused_projections']}")
+    if drafter is not None:
+        say(f"rounds at block {drafter.block_size}, acceptance forced")
+        rounds = round_figures(
+            target, drafter, prompt, n, kv, args.split_tau, result["plain_tok_s"], plain_tokens
+        )
+        result.update(rounds)
+        say(f"rounds: {json.dumps(rounds)}")
+    if not args.no_ablations:  # after the headline figures: each recompiles every graph
+        result.update(verify_ablations(target, prompt, tap_ids, args.reps, kv, say))
     if drafter is None:  # --plain-only
         return result
-    say(f"rounds at block {drafter.block_size}, acceptance forced")
-    rounds = round_figures(
-        target, drafter, prompt, n, kv, args.split_tau, result["plain_tok_s"], plain_tokens
-    )
-    result.update(rounds)
-    say(f"rounds: {json.dumps(rounds)}")
     if not args.no_phases:
         from .seedphases import drafter_phases, layer_phases
 
@@ -362,6 +370,11 @@ def add_parser(bsub) -> None:
     s.add_argument("--split-tau", type=int, default=5, help="forced tau of the round split")
     s.add_argument("--kv", default="fp16,q8", help="KV formats: the first is measured in full")
     s.add_argument("--no-phases", action="store_true")
+    s.add_argument(
+        "--no-ablations",
+        action="store_true",
+        help="skip verify(L) without each GPU speed path (each recompiles the forward)",
+    )
     s.add_argument(
         "--plain-only",
         action="store_true",
