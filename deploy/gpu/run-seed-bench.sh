@@ -60,7 +60,7 @@ step cuda json 40 "${bench[@]}" cuda --json
 if $py -c 'import pytest' 2>/dev/null; then
   step pytest-cuda txt 40 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
 fi
-variant=(seed --json --dir "$seed_dir" --plain-only --no-phases --kv fp16)
+variant=(seed --json --dir "$seed_dir" --plain-only --no-phases --no-ablations --kv fp16)
 # shellcheck disable=SC2086
 step mlx-default json 60 "${bench[@]}" "${variant[@]}" ${VARIANT_ARGS:---layers 16 --repeats 2 --max-tokens 32}
 # shellcheck disable=SC2086
