@@ -85,3 +85,6 @@ def test_drafter_equals_reference(layout, target, tmp_path, monkeypatch):
     assert rounds >= 12
     if cfg.sliding_window:
         assert past_window >= 5  # most of the rounds are longer than the window
+    # all sliding: once every window is full the layers ran as one compiled graph (and agreed)
+    all_sliding = all(t == "sliding_attention" for t in cfg.layer_types)
+    assert ("_stack" in ours.body.__dict__) == all_sliding
