@@ -121,6 +121,30 @@ def test_draft_service_equals_local_peer(engine):
     assert service.num_sessions == 0
 
 
+def test_draft_service_drafts_a_shared_round_in_one_call(engine):
+    """A DraftCall for N sequences (their blocks stacked, their new tap rows one after the
+    other, a sequence with none) equals LocalDraftPeer.draft_batch on the same sessions."""
+    from sanctum.cluster.drafter import DraftService
+    from sanctum.engine.speculative import LocalDraftPeer
+
+    target, drafter, _ = engine
+    service, local = DraftService(drafter), LocalDraftPeer(drafter)
+    width = len(drafter.cfg.target_layer_ids) * target.hidden_size
+    taps = [mx.random.normal((5, width)), None, mx.random.normal((3, width))]
+    embeds = mx.stack([target.embed_tokens(mx.array([t] + [4] * 7)) for t in (3, 5, 7)])
+    starts = [5, 0, 3]
+    for s in "abc":
+        local.open(s)
+        service.handle("c1", roles.DraftRequest(open=roles.DraftOpen(seq_id=s)), None)
+    want = local.draft_batch(list("abc"), taps, embeds, starts)
+    arrays = {1: mx.concatenate([taps[0], taps[2]]), 2: embeds}
+    call = roles.DraftCall(new_taps=roles.TensorRef(offset=1), block_embeds=roles.TensorRef(offset=2),
+                           batch_seq_ids=list("abc"), batch_starts=starts, batch_tap_rows=[5, 0, 3])  # fmt: skip
+    reply, got = service.handle("c1", roles.DraftRequest(draft=call), lambda r: arrays[r.offset])
+    assert not reply.error and got.shape == (3, 7, want.shape[-1])
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
 def test_event_socket_streams_requests_and_cancels_orphans(pair, engine):
     """The verifier's event socket (same-host front ends) over the real scheduler: requests
     multiplexed on one connection give the engine's output; a bad request is an error event; a

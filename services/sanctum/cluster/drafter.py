@@ -58,7 +58,17 @@ class DraftService:
                 taps = read(call.new_taps) if call.HasField("new_taps") else None
                 embeds = read(call.block_embeds)
                 t0 = time.perf_counter()
-                hidden = self.peer.draft(f"{client}/{call.seq_id}", taps, embeds, int(call.start))
+                if call.batch_seq_ids:  # a shared round's blocks: one body forward
+                    hidden = self.peer.draft_batch(
+                        [f"{client}/{s}" for s in call.batch_seq_ids],
+                        _split_rows(taps, list(call.batch_tap_rows)),
+                        embeds,
+                        [int(x) for x in call.batch_starts],
+                    )
+                else:
+                    hidden = self.peer.draft(
+                        f"{client}/{call.seq_id}", taps, embeds, int(call.start)
+                    )
                 mx.eval(hidden)
                 reply.compute_ms = (time.perf_counter() - t0) * 1000.0
                 return reply, hidden
@@ -78,6 +88,15 @@ class DraftService:
     @property
     def num_sessions(self) -> int:
         return len(self.peer.caches)
+
+
+def _split_rows(taps: mx.array | None, rows: list[int]) -> list[mx.array | None]:
+    """The N sequences' tap rows, sent one after the other, apart again (None: none)."""
+    out, at = [], 0
+    for n in rows:
+        out.append(taps[at : at + n] if n else None)
+        at += n
+    return out
 
 
 @dataclass
@@ -275,6 +294,27 @@ class RemoteDraftPeer:
     ) -> mx.array:
         """new_taps [C, n_taps*H], block_embeds [L, H] -> hidden [L-1, H]."""
         return self.collect(self.submit(seq_id, new_taps, block_embeds, start))
+
+    def draft_batch(
+        self, seq_ids: list[str], new_taps: list, block_embeds: mx.array, starts: list[int]
+    ) -> mx.array:
+        """`draft` for N open sequences in one call and one body forward on the drafter:
+        block_embeds [N, L, H] -> hidden [N, L-1, H] (LocalDraftPeer.draft_batch there)."""
+        if self.channel is None or any(self.sessions.get(s) != self.generation for s in seq_ids):
+            raise DraftUnavailable("the drafter restarted; the sequences are opened again")
+        rows = [0 if t is None else int(t.shape[0]) for t in new_taps]
+        taps = mx.concatenate([t for t in new_taps if t is not None]) if any(rows) else None
+        arrays = [taps, block_embeds] if taps is not None else [block_embeds]
+        mx.eval(arrays)
+        N, L, H = block_embeds.shape
+        call = roles.DraftCall(
+            batch_seq_ids=seq_ids, batch_starts=[int(s) for s in starts], batch_tap_rows=rows
+        )
+        try:
+            call_id = self._channel().submit(roles.DraftRequest(draft=call), arrays, 4 * N * L * H)
+        except ChannelBroken as exc:
+            raise self._broken(exc) from None
+        return self.collect(PendingDraft(call_id, self.generation, ",".join(seq_ids)))
 
     def close(self, seq_id: str) -> None:
         if self.sessions.pop(seq_id, None) == self.generation and self.channel is not None:

@@ -97,20 +97,26 @@ class DraftClose(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
 
 class DraftCall(_message.Message):
-    __slots__ = ("seq_id", "start", "new_taps", "block_embeds", "reply_offset", "reply_capacity")
+    __slots__ = ("seq_id", "start", "new_taps", "block_embeds", "reply_offset", "reply_capacity", "batch_seq_ids", "batch_starts", "batch_tap_rows")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NEW_TAPS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_EMBEDS_FIELD_NUMBER: _ClassVar[int]
     REPLY_OFFSET_FIELD_NUMBER: _ClassVar[int]
     REPLY_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_STARTS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TAP_ROWS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     start: int
     new_taps: TensorRef
     block_embeds: TensorRef
     reply_offset: int
     reply_capacity: int
-    def __init__(self, seq_id: _Optional[str] = ..., start: _Optional[int] = ..., new_taps: _Optional[_Union[TensorRef, _Mapping]] = ..., block_embeds: _Optional[_Union[TensorRef, _Mapping]] = ..., reply_offset: _Optional[int] = ..., reply_capacity: _Optional[int] = ...) -> None: ...
+    batch_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    batch_starts: _containers.RepeatedScalarFieldContainer[int]
+    batch_tap_rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., start: _Optional[int] = ..., new_taps: _Optional[_Union[TensorRef, _Mapping]] = ..., block_embeds: _Optional[_Union[TensorRef, _Mapping]] = ..., reply_offset: _Optional[int] = ..., reply_capacity: _Optional[int] = ..., batch_seq_ids: _Optional[_Iterable[str]] = ..., batch_starts: _Optional[_Iterable[int]] = ..., batch_tap_rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("attach", "open", "draft", "close", "call_id")
