@@ -410,8 +410,17 @@ class Decoder:
 
     def _settle(self, seq, block, drafts, q, verified, k_accept, stats: RoundStats) -> Step:
         """The round after its verify: accept, commit, hand the taps on, roll back."""
+        step = self._conclude(seq, block, drafts, q, verified, k_accept, stats)
+        t0 = time.perf_counter()
+        self._queue_rollback(self.target.rollback(seq.cache, seq.last_tape, len(step.tokens)))
+        stats.rollback_s = time.perf_counter() - t0
+        return step
+
+    def _conclude(self, seq, block, drafts, q, verified, k_accept, stats: RoundStats) -> Step:
+        """The round after its verify up to the rollback: accept, commit, hand the taps on,
+        prefetch. The cache is then rolled back to the anchor and the committed tokens but the
+        last (the next anchor): `len(step.tokens)` rows of the block."""
         logits, taps, tape = verified
-        base = tape.start
         seq.last_tape = tape
         t1 = time.perf_counter()
         accepted, bonus = self._accept(drafts, q, logits, seq.sampling, k_accept)
@@ -420,23 +429,20 @@ class Decoder:
         stats.accepted = accepted
         stats.verify_s += t2 - t1  # the acceptance waits on the verify
         step = self._commit(seq, block_ids[1 : accepted + 1] + [bonus], seq.stop_check, stats)
-        t3 = time.perf_counter()
-        # the cache keeps the anchor and the committed tokens but the last (the next anchor)
         keep = len(step.tokens)
+        seq.cached_tokens.extend(block_ids[:keep])
+        t3 = time.perf_counter()
         seq.taps.add(taps[:keep])
         if self.adaptive:  # before the prefetch: the next block has the new width
             self._adapt(seq, stats.bs, accepted)
-        self._prefetch(seq, base + keep)  # the drafter starts on the next block meanwhile
-        t_roll = time.perf_counter()
-        stats.draft_s += t_roll - t3
-        states = self.target.rollback(seq.cache, tape, keep)
+        self._prefetch(seq, tape.start + keep)  # the drafter starts on the next block meanwhile
+        stats.draft_s += time.perf_counter() - t3
+        stats.other_s = t3 - t2
+        return step
+
+    def _queue_rollback(self, states: list[mx.array]) -> None:
         # the next round's graph builds on these; only a profile waits for them here
         (mx.eval if self.profile else mx.async_eval)(states)
-        t4 = time.perf_counter()
-        seq.cached_tokens.extend(block_ids[:keep])
-        stats.rollback_s = t4 - t_roll
-        stats.other_s = (t3 - t2) + (time.perf_counter() - t4)
-        return step
 
 
 def make_key(seed: int | None) -> mx.array:
