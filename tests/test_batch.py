@@ -178,7 +178,7 @@ def test_a_block_padded_at_its_end_verifies_and_rolls_back_as_alone(
         for c, prompt in zip(caches, ids):
             target.prefill(prompt, c)
         blocks = mx.array([narrow + [0] * 5, wide])
-        (logits, got_taps, vtape), _ = verify_batch(target, blocks, caches, taps, [3, 8])
+        ((logits, got_taps, vtape), _), _ = verify_batch(target, blocks, caches, taps, [3, 8])
         assert logits.shape[0] == got_taps.shape[0] == vtape.num_rows == 3
         kept = [t.row_states if tape == "row_states" else t.chunk_parts for t in vtape.gdn]
         assert vtape.gdn and all(k is not None for k in kept)
@@ -189,6 +189,73 @@ def test_a_block_padded_at_its_end_verifies_and_rolls_back_as_alone(
         got, _ = target.forward(mx.array([7]), caches[0])
         want, _ = target.forward(mx.array(ids[0] + narrow[:keep] + [7]), target.make_cache())
         assert mx.allclose(got[-1], want[-1], atol=1e-4, rtol=1e-4), f"keep {keep}"
+
+
+# keeps of four sequences whose third block is 5 rows padded to 8
+KEEP_MIXES = [
+    (8, 8, 5, 8),  # all accepted: only the padded block has rows to drop
+    (3, 3, 3, 3),  # one keep: one op for all
+    (0, 1, 4, 8),  # all different: the state before the pass, a no-op
+    (2, 5, 2, 5),  # two keeps of two sequences each
+    (1, 1, 0, 1),
+    (0, 0, 0, 0),
+]
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "next"])
+@pytest.mark.parametrize("tape", ["chunk", "row_states"])
+def test_batched_rollback_equals_a_rollback_per_sequence(make_pair, monkeypatch, kind, tape):
+    """`Target.rollback_batch` after a shared verify (fp16 and 8-bit KV, a padded block) leaves
+    every cache exactly as a rollback per sequence does, for every mix of keeps, on both kinds
+    of GDN tape; the sequences' own tapes still roll back further afterwards."""
+    from sanctum.engine import gdn, gdn_cuda
+
+    if tape == "row_states":  # the CUDA kernel's taped variant, through its pure-MLX stand-in
+        monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
+        monkeypatch.setattr(gdn, "BLOCK_KERNEL_KEEPS_ROWS", True)
+    target, _ = load_pair(make_pair, kind, "dflash")
+    kvs, widths = ["fp16", "q8", "fp16", "q8"], [8, 8, 5, 8]
+    blocks = mx.array([[5, 9, 100, 31, 2, 77, 8, 40], [11, 52, 7, 7, 90, 3, 61, 12],
+                       [13, 4, 200, 18, 6, 0, 0, 0], [21, 21, 21, 30, 44, 1, 9, 150]])  # fmt: skip
+    ids = [target.tokenizer.encode(p) for p in PROMPTS]
+
+    def verified():
+        caches = [target.make_cache(kv) for kv in kvs]
+        for c, prompt in zip(caches, ids):
+            target.prefill(prompt, c)
+        outs, batch_tape = verify_batch(target, blocks, caches, (1, 3), widths)
+        return caches, [t for _, _, t in outs], batch_tape
+
+    for keeps in KEEP_MIXES:
+        want, want_tapes, _ = verified()
+        for c, t, keep in zip(want, want_tapes, keeps):
+            target.rollback(c, t, keep)
+        got, got_tapes, batch_tape = verified()
+        kept = [t.row_states if tape == "row_states" else t.chunk_parts for t in batch_tape.gdn]
+        assert batch_tape.gdn and all(k is not None for k in kept)
+        target.rollback_batch(got, batch_tape, list(keeps))
+        _assert_same_caches(got, want, keeps)
+        for caches, tapes in ((got, got_tapes), (want, want_tapes)):
+            for c, t, keep in zip(caches, tapes, keeps):
+                target.rollback(c, t, keep // 2)
+        _assert_same_caches(got, want, keeps)
+
+
+def _assert_same_caches(got: list, want: list, keeps) -> None:
+    for n, (a, b) in enumerate(zip(got, want)):
+        assert cache_offset(a) == cache_offset(b), f"sequence {n}, keeps {keeps}"
+        for i, (ca, cb) in enumerate(zip(a, b)):
+            for x, y in zip(_arrays(ca), _arrays(cb), strict=True):
+                assert mx.array_equal(x, y), f"sequence {n}, layer {i}, keeps {keeps}"
+
+
+def _arrays(c) -> list[mx.array]:
+    """What a layer's cache holds: GDN conv and recurrent state, attention KV (8-bit: packed
+    values, scales, biases) up to its offset."""
+    if not c.is_trimmable():
+        return [c[0], c[1]]
+    parts = [t for kv in (c.keys, c.values) for t in (kv if isinstance(kv, tuple) else (kv,))]
+    return [t[..., : c.offset, :] for t in parts]
 
 
 @pytest.mark.parametrize(

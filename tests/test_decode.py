@@ -355,7 +355,7 @@ def test_block_kernel_row_states_roll_back_exactly(pair, monkeypatch):
     caches = [target.make_cache(), target.make_cache()]
     for c, n in zip(caches, (len(ids), len(ids) - 5)):
         target.prefill(ids[:n], c)
-    outs = verify_batch(target, mx.array([block, block[::-1]]), caches, taps)
+    outs, _ = verify_batch(target, mx.array([block, block[::-1]]), caches, taps)
     for c, (_, _, tape), n, blk in zip(
         caches, outs, (len(ids), len(ids) - 5), (block, block[::-1])
     ):

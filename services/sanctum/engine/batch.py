@@ -24,8 +24,8 @@ from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from . import fused
 from .drafter import ContextCache, DraftBody, block_attention_mask
-from .gdn import GDNTape, _math_for, cache_states, tape_entry
-from .target import DequantizedView, Target, VerifyTape, cache_offset
+from .gdn import GDNBatchTape, _math_for, batch_tape_entry, cache_states
+from .target import BatchTape, DequantizedView, Target, VerifyTape, cache_offset
 
 
 def verify_batch(
@@ -34,15 +34,16 @@ def verify_batch(
     caches: list[list],
     tap_ids: tuple[int, ...],
     widths: list[int] | None = None,  # each block's real rows; None: all L
-) -> list[tuple[mx.array, mx.array, VerifyTape]]:
+) -> tuple[list[tuple[mx.array, mx.array, VerifyTape]], BatchTape]:
     """Run N draft blocks on their N caches in one forward; returns per sequence what
-    `Target.verify` returns for its block alone. The target is causal, so rows padded after a
-    block's `widths[n]` real rows leave those rows' results as they are; its tape's rollback
+    `Target.verify` returns for its block alone, and the pass's BatchTape (to roll all N back
+    together: `Target.rollback_batch`). The target is causal, so rows padded after a block's
+    `widths[n]` real rows leave those rows' results as they are; its tape's rollback
     (keep <= widths[n]) discards the padded rows' KV and states."""
     N, L = blocks.shape
     widths = widths or [L] * N
     starts = [cache_offset(c) for c in caches]
-    tapes: list[list[GDNTape]] = [[] for _ in range(N)]
+    gdn_tapes: list[GDNBatchTape] = []
     h = target.embed_tokens(blocks)  # [N, L, H]
     first = target._first_attn
     masks = [create_attention_mask(h[:1], c[first]) if first is not None else None for c in caches]
@@ -51,7 +52,7 @@ def verify_batch(
         x = layer.input_layernorm(h)
         layer_caches = [c[i] for c in caches]
         if target.is_gdn[i]:
-            r = _gdn_batch(layer.linear_attn, x, layer_caches, tapes)
+            r = _gdn_batch(layer.linear_attn, x, layer_caches, gdn_tapes)
         else:
             if target.dequantize_q8:
                 layer_caches = [
@@ -65,14 +66,15 @@ def verify_batch(
         target.hand_on(i, h)
     logits = target.lm_head(target.norm(h))  # [N, L, V]
     taps = mx.concatenate([wanted[i] for i in tap_ids], axis=-1) if tap_ids else None
-    return [
-        (
-            logits[n, :w],
-            taps[n, :w] if taps is not None else None,
-            VerifyTape(starts[n], w, tapes[n]),
-        )
+    tapes = [
+        VerifyTape(starts[n], w, [layer.entries[n] for layer in gdn_tapes])
         for n, w in enumerate(widths)
     ]
+    outs = [
+        (logits[n, :w], taps[n, :w] if taps is not None else None, tape)
+        for n, (w, tape) in enumerate(zip(widths, tapes))
+    ]
+    return outs, BatchTape(tapes, gdn_tapes)
 
 
 def _attention_batch(attn, x: mx.array, masks: list, caches: list) -> mx.array:
@@ -137,20 +139,19 @@ _SPLIT_ATTENTION = {
 }
 
 
-def _gdn_batch(mod, x: mx.array, caches: list, tapes: list[list[GDNTape]]) -> mx.array:
-    """`gdn.gdn_forward` with a tape, over N sequences whose batch-1 states are stacked."""
+def _gdn_batch(mod, x: mx.array, caches: list, tapes: list[GDNBatchTape]) -> mx.array:
+    """`gdn.gdn_forward` with a tape, over N sequences whose batch-1 states are stacked; appends
+    the layer's GDNBatchTape."""
     N, S, _ = x.shape
     convs, states = zip(*(cache_states(mod, c, 1, x.dtype) for c in caches))
     state_in = mx.concatenate(states, axis=0)  # [N, Hv, Dv, Dk]
     conv_state = mx.concatenate(convs, axis=0)  # [N, K-1, conv_dim]
     out, conv_input, state, extra = _math_for(mod, True, S)(x, conv_state, state_in)
     for n, c in enumerate(caches):
-        row = slice(n, n + 1)
-        c[0] = conv_input[row, -(mod.conv_kernel_size - 1) :, :]
-        c[1] = state[row]
+        c[0] = conv_input[n : n + 1, -(mod.conv_kernel_size - 1) :, :]
+        c[1] = state[n : n + 1]
         c.advance(S)
-        parts = tuple(t[row] for t in extra)
-        tapes[n].append(tape_entry(mod, c, conv_input[row], state_in[row], S, parts))
+    tapes.append(batch_tape_entry(mod, caches, conv_input, state_in, S, extra))
     return out
 
 

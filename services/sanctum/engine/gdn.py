@@ -71,19 +71,70 @@ class GDNTape:
 
     def state_at(self, keep: int) -> tuple[mx.array, mx.array]:
         """(conv state, recurrent state) after the first `keep` rows of the pass."""
+        return self.conv_at(keep), self.recurrent_at(keep)
+
+    def conv_at(self, keep: int) -> mx.array:
+        """The conv state after the first `keep` rows of the pass (a view, nothing computed)."""
         n_conv = self.conv_input.shape[1] - self.num_rows
-        conv = self.conv_input[:, keep : keep + n_conv, :]
+        return self.conv_input[:, keep : keep + n_conv, :]
+
+    def recurrent_at(self, keep: int) -> mx.array:
+        """The recurrent state after the first `keep` rows of the pass."""
         if keep == 0:
-            return conv, self.state_in
+            return self.state_in
         if self.chunk_parts is not None:
-            return conv, _state_after_compiled(keep)(self.state_in, *self.chunk_parts)
+            return _state_after_compiled(keep)(self.state_in, *self.chunk_parts)
         if self.row_states is not None:  # a copy (take), so the rows' buffer is not kept alive
-            return conv, mx.take(self.row_states, mx.array(keep - 1), axis=1)
-        return conv, recurrence(*(t[:, :keep] for t in self.inputs), self.state_in)[1]
+            return mx.take(self.row_states, mx.array(keep - 1), axis=1)
+        return recurrence(*(t[:, :keep] for t in self.inputs), self.state_in)[1]
 
     def rollback(self, keep: int) -> None:
         """Make the layer's cache hold the state after the first `keep` rows of the pass."""
         self.cache[0], self.cache[1] = self.state_at(keep)
+
+
+@dataclass
+class GDNBatchTape:
+    """One GDN layer's taped pass over N sequences stacked on the batch axis (a shared verify,
+    engine/batch.py): each sequence's GDNTape, a row of the stacked tensors, beside those
+    tensors, so that rolling all N back can cost one op per layer instead of N."""
+
+    entries: list[GDNTape]  # per sequence, each of batch 1
+    state_in: mx.array  # [N, Hv, Dv, Dk]
+    chunk_parts: tuple | None = None  # as GDNTape's, each [N, ...]
+    row_states: mx.array | None = None  # [N, S, Hv, Dv, Dk]
+
+    def rollback(self, keeps: dict[int, int]) -> None:
+        """Roll sequence n's cache back to the first keeps[n] rows, for each n in `keeps`: the
+        same arrays, to the bit, as `GDNTape.rollback` of each."""
+        shared = self._shared_states(keeps)
+        for n, keep in keeps.items():
+            entry = self.entries[n]
+            entry.cache[0] = entry.conv_at(keep)
+            entry.cache[1] = shared[n] if n in shared else entry.recurrent_at(keep)
+
+    def _shared_states(self, keeps: dict[int, int]) -> dict[int, mx.array]:
+        """The recurrent states ([1, Hv, Dv, Dk]) that one op gives for several sequences: a
+        row-state tape's kept rows (one gather, exact: a copy); a chunk tape's when all N keep
+        the same rows (one matmul; each sequence's result is the one its own computes). Other
+        mixes stay per sequence: on the CPU, gathering part of the stacked rows costs more
+        than the calls it saves."""
+        if self.row_states is not None:
+            kept = {n: keep for n, keep in keeps.items() if keep > 0}
+            if not kept:
+                return {}
+            N, S = self.row_states.shape[:2]
+            flat = self.row_states.reshape(N * S, *self.row_states.shape[2:])
+            picked = mx.take(flat, mx.array([n * S + keep - 1 for n, keep in kept.items()]), 0)
+            return {n: picked[j : j + 1] for j, n in enumerate(kept)}
+        distinct = set(keeps.values())
+        if self.chunk_parts is None or len(keeps) < len(self.entries) or len(distinct) > 1:
+            return {}
+        keep = distinct.pop()
+        if keep == 0:
+            return {}
+        state = _state_after_compiled(keep)(self.state_in, *self.chunk_parts)
+        return {n: state[n : n + 1] for n in keeps}
 
 
 def state_after(state_in, k, decay, v_new, rows: int) -> mx.array:
@@ -143,6 +194,24 @@ def tape_entry(mod: nn.Module, cache, conv_input, state_in, rows: int, extra: tu
     else:
         entry.inputs = tuple(extra)
     return entry
+
+
+def batch_tape_entry(
+    mod: nn.Module, caches: list, conv_input, state_in, rows: int, extra: tuple
+) -> GDNBatchTape:
+    """The GDNBatchTape of a taped pass over N sequences' states stacked on the batch axis
+    (`caches`: theirs, each of batch 1), from what `_gdn_math` returned."""
+    entries = []
+    for n, c in enumerate(caches):
+        row = slice(n, n + 1)
+        parts = tuple(t[row] for t in extra)
+        entries.append(tape_entry(mod, c, conv_input[row], state_in[row], rows, parts))
+    batch = GDNBatchTape(entries, state_in)
+    if _one_chunk_tape(mod, rows):
+        batch.chunk_parts = tuple(extra)
+    elif _row_states_tape(rows):
+        batch.row_states = extra[0]
+    return batch
 
 
 def recurrence(q, k, v, log_g, beta, state):

@@ -66,7 +66,7 @@ class BatchDecoder(Decoder):
         L = cuda.verify_width(max(widths), len(blocks))
         padded = mx.stack([mx.pad(b, (0, L - b.shape[0])) for b in blocks])  # [N, L]
         caches = [seq.cache for _, seq, _, _, _ in drafted]
-        outs = verify_batch(self.target, padded, caches, self.tap_ids, widths)
+        outs, _ = verify_batch(self.target, padded, caches, self.tap_ids, widths)
         # the shared phases' wall time, split over the batch
         draft_s, verify_s = draft_s / len(drafted), (time.perf_counter() - t1) / len(drafted)
         for (i, seq, drafts, q, k_acc), block, out in zip(drafted, blocks, outs):

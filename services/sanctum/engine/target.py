@@ -18,7 +18,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
 from . import cuda, fused, gdn
-from .gdn import COMPILE_MAX_ROWS, GDNTape
+from .gdn import COMPILE_MAX_ROWS, GDNBatchTape, GDNTape
 
 # mlx-lm model types whose layers are all full attention or Gated DeltaNet.
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -75,6 +75,15 @@ class VerifyTape:
         """The GDN layers' state after the first `rows` rows of the pass (position start + rows),
         as `Target.recurrent_state` gives it; the cache is not touched."""
         return [entry.state_at(rows) for entry in self.gdn]
+
+
+@dataclass
+class BatchTape:
+    """What a shared verify pass (engine/batch.py) leaves behind: each sequence's VerifyTape,
+    and per GDN layer the stacked tape theirs are rows of (`Target.rollback_batch`)."""
+
+    tapes: list[VerifyTape]
+    gdn: list[GDNBatchTape]
 
 
 class Target:
@@ -244,10 +253,25 @@ class Target:
             return []
         for entry in tape.gdn:
             entry.rollback(keep)
-        for c in cache:
-            if c.is_trimmable():  # attention KV (mlx-lm's cache protocol); GDN state is not
-                c.trim(c.offset - (tape.start + keep))
-        return [a for entry in tape.gdn for a in entry.cache.state if a is not None]
+        _trim_attention(cache, tape.start + keep)
+        return _states(tape)
+
+    @staticmethod
+    def rollback_batch(caches: list[list], tape: BatchTape, keeps: list[int]) -> list[mx.array]:
+        """`rollback` of each sequence of a shared verify pass to its own keep, the GDN layers
+        of all of them together (one op per layer where the tape allows: GDNBatchTape); each
+        cache ends as its own `rollback` leaves it, to the bit."""
+        todo = {}  # sequence -> keep, those whose cache holds rows past it
+        for n, (cache, seq_tape, keep) in enumerate(zip(caches, tape.tapes, keeps)):
+            if not 0 <= keep <= seq_tape.num_rows:
+                raise ValueError(f"keep={keep} outside 0..{seq_tape.num_rows}")
+            if cache_offset(cache) != seq_tape.start + keep:
+                todo[n] = keep
+        for layer in tape.gdn:
+            layer.rollback(todo)
+        for n, keep in todo.items():
+            _trim_attention(caches[n], tape.tapes[n].start + keep)
+        return [a for n in todo for a in _states(tape.tapes[n])]
 
     def prefill(
         self,
@@ -287,9 +311,7 @@ class Target:
     def truncate(self, cache: list, offset: int, states: list[tuple[mx.array, mx.array]]) -> None:
         """Undo the last forward calls: attention KV trimmed to `offset` tokens, GDN layers back
         to `states` (what `recurrent_state` returned at that offset)."""
-        for c in cache:
-            if c.is_trimmable() and c.offset > offset:
-                c.trim(c.offset - offset)
+        _trim_attention(cache, offset)
         self.restore_recurrent_state(cache, states)
 
     # ---- recurrent snapshots ------------------------------------------------------------
@@ -331,6 +353,18 @@ def _residual_mlp(layer, h: mx.array, r: mx.array) -> mx.array:
     # the second half of mlx-lm's DecoderLayer.__call__ (same for every supported model type)
     h = h + r
     return h + fused.gated_mlp(layer.mlp, layer.post_attention_layernorm(h))
+
+
+def _trim_attention(cache: list, offset: int) -> None:
+    """Attention KV back to `offset` tokens (trimming is all it takes: positions are absolute)."""
+    for c in cache:
+        if c.is_trimmable() and c.offset > offset:  # attention KV; GDN state is not trimmable
+            c.trim(c.offset - offset)
+
+
+def _states(tape: VerifyTape) -> list[mx.array]:
+    """The (lazy) GDN states a rollback along `tape` left in the cache."""
+    return [a for entry in tape.gdn for a in entry.cache.state if a is not None]
 
 
 def cache_offset(cache: list) -> int:
