@@ -432,14 +432,14 @@ def test_adaptive_width_shrinks_a_rejected_sequence_without_holding_back_the_oth
     decoder = ScriptedBatchDecoder(target, drafter, refs, scripts, block_size=L)
     decoder.adaptive = True
     seen: dict = {}
-    settle = decoder._settle
+    conclude = decoder._conclude
 
     def watched(seq, *args):
-        step = settle(seq, *args)
+        step = conclude(seq, *args)
         seen.setdefault(seq.seq_id, []).append(step.stats.bs)
         return step
 
-    decoder._settle = watched
+    decoder._conclude = watched
     verified = []  # the real widths of each target forward's blocks
 
     def verify(target, blocks, caches, tap_ids, widths=None):
@@ -447,10 +447,19 @@ def test_adaptive_width_shrinks_a_rejected_sequence_without_holding_back_the_oth
         return verify_batch(target, blocks, caches, tap_ids, widths)
 
     monkeypatch.setattr(rounds, "verify_batch", verify)
+    rolled_back = []  # each batched rollback's keeps
+    rollback_batch = target.rollback_batch
+
+    def rollback(caches, tape, keeps):
+        rolled_back.append(keeps)
+        return rollback_batch(caches, tape, keeps)
+
+    monkeypatch.setattr(target, "rollback_batch", rollback)
     specs = [(f"s{i}", p, 40, "fp16", (), None) for i, p in enumerate(PROMPTS[:3])]
     got, batch_sizes = run_batch(decoder, target, specs)
-    # one target forward a shared round, whatever its mix of widths
-    assert len(verified) == sum(n > 1 for n in batch_sizes)
+    # one target forward and one rollback a shared round, whatever its mix of widths
+    assert len(verified) == len(rolled_back) == sum(n > 1 for n in batch_sizes)
+    assert any(len(set(k)) > 1 for k in rolled_back)
     assert any(len(set(w)) > 1 for w in verified)
     for i in range(3):
         assert got[f"s{i}"] == refs[f"s{i}"], f"sequence {i}"

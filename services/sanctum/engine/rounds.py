@@ -56,7 +56,8 @@ class BatchDecoder(Decoder):
         return drafted
 
     def _verify_all(self, drafted: list, draft_s: float, steps: dict) -> None:
-        """Verify every drafted block in one target forward and settle each sequence."""
+        """Verify every drafted block in one target forward, settle each sequence, then roll
+        all of them back together (`Target.rollback_batch`)."""
         t1 = time.perf_counter()
         blocks = [
             mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
@@ -66,12 +67,19 @@ class BatchDecoder(Decoder):
         L = cuda.verify_width(max(widths), len(blocks))
         padded = mx.stack([mx.pad(b, (0, L - b.shape[0])) for b in blocks])  # [N, L]
         caches = [seq.cache for _, seq, _, _, _ in drafted]
-        outs, _ = verify_batch(self.target, padded, caches, self.tap_ids, widths)
+        outs, tape = verify_batch(self.target, padded, caches, self.tap_ids, widths)
         # the shared phases' wall time, split over the batch
         draft_s, verify_s = draft_s / len(drafted), (time.perf_counter() - t1) / len(drafted)
         for (i, seq, drafts, q, k_acc), block, out in zip(drafted, blocks, outs):
             stats = RoundStats(block.shape[0], 0, 0, draft_s, verify_s)
-            steps[i] = self._settle(seq, block, drafts, q, out, k_acc, stats)
+            steps[i] = self._conclude(seq, block, drafts, q, out, k_acc, stats)
+        settled = [steps[i] for i, *_ in drafted]
+        t2 = time.perf_counter()
+        keeps = [len(step.tokens) for step in settled]
+        self._queue_rollback(self.target.rollback_batch(caches, tape, keeps))
+        rollback_s = (time.perf_counter() - t2) / len(drafted)
+        for step in settled:
+            step.stats.rollback_s = rollback_s
 
     def _draft_all(self, seqs: list[Sequence], keys: list[mx.array]) -> list:
         """(drafts, q) of each sequence, or None where it cannot draft now: one drafter body
