@@ -258,8 +258,9 @@ def _tokens(responses):
 
 @pytest.mark.slow
 def test_a_batched_round_with_the_drafter_actor_gives_the_engine_output(cluster, engine, pair):
-    """Verifier.step_batch over a pipelined peer: drafts (prefetched per sequence) from the
-    actor, one shared target verify; each request gets its solo output."""
+    """Verifier.step_batch over a pipelined peer: a shared round's next blocks prefetched
+    from the actor in one call (one drafter forward), one shared target verify; each request
+    gets its solo output."""
     from sanctum.cluster.drafter import RemoteDraftPeer
     from sanctum.engine.drafter import load_drafter
     from sanctum.serving.requests import GenerateRequest
@@ -276,7 +277,9 @@ def test_a_batched_round_with_the_drafter_actor_gives_the_engine_output(cluster,
         act, chunk = verifier.open(GenerateRequest(prompt=prompt, max_tokens=n, use_cache=False))
         live.append(act)
         out[prompt] = list(chunk.token_ids)
+    sequence_rounds = 0
     while live:
+        sequence_rounds += len(live)
         for act, chunk in zip(live, verifier.step_batch(live)):
             out[act.req.prompt] += chunk.token_ids
         for act in [a for a in live if a.finished]:
@@ -284,6 +287,8 @@ def test_a_batched_round_with_the_drafter_actor_gives_the_engine_output(cluster,
         live = [a for a in live if not a.finished]
     for prompt, n in lengths.items():
         assert out[prompt] == reference(prompt, n), prompt
+    # the shared rounds' blocks went in shared calls: fewer calls than sequence-rounds
+    assert peer.summary()["draft_calls"] < sequence_rounds - len(lengths)
 
 
 @pytest.mark.slow

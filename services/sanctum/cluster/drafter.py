@@ -108,6 +108,23 @@ class PendingDraft:
     seq_id: str
 
 
+@dataclass
+class PendingBatch:
+    """One draft request in flight for several sequences' blocks (a shared round's)."""
+
+    call: PendingDraft
+    open_parts: int  # parts neither collected nor discarded
+    hidden: mx.array | None = None  # [N, L-1, H] once collected
+
+
+@dataclass
+class PendingPart:
+    """One sequence's share of a PendingBatch: what `collect` and `discard` take for it."""
+
+    batch: PendingBatch
+    index: int
+
+
 class RemoteDraftPeer:
     """The engine's DraftPeer, talking to a drafter actor (see the module docstring)."""
 
@@ -260,8 +277,14 @@ class RemoteDraftPeer:
         self.stats["submit_s"] += time.perf_counter() - t0
         return PendingDraft(call_id, self.generation, seq_id)
 
-    def collect(self, pending: PendingDraft) -> mx.array:
+    def collect(self, pending: PendingDraft | PendingPart) -> mx.array:
         """The hidden states of a submitted draft (waits for them)."""
+        if isinstance(pending, PendingPart):
+            batch = pending.batch
+            if batch.hidden is None:
+                batch.hidden = self.collect(batch.call)
+            batch.open_parts -= 1
+            return batch.hidden[pending.index]
         if pending.generation != self.generation or self.channel is None:
             raise DraftUnavailable("the drafter restarted while drafting")
         try:
@@ -284,8 +307,14 @@ class RemoteDraftPeer:
                 s["transport_s"] += answer.waited_s - compute
         return answer.hidden
 
-    def discard(self, pending: PendingDraft) -> None:
+    def discard(self, pending: PendingDraft | PendingPart) -> None:
         """Drop a submitted draft nobody will collect (the request ended)."""
+        if isinstance(pending, PendingPart):  # the call goes once no part wants it
+            batch = pending.batch
+            batch.open_parts -= 1
+            if batch.open_parts == 0 and batch.hidden is None:
+                self.discard(batch.call)
+            return
         if pending.generation == self.generation and self.channel is not None:
             self.channel.discard(pending.call_id)
 
@@ -295,11 +324,12 @@ class RemoteDraftPeer:
         """new_taps [C, n_taps*H], block_embeds [L, H] -> hidden [L-1, H]."""
         return self.collect(self.submit(seq_id, new_taps, block_embeds, start))
 
-    def draft_batch(
+    def submit_batch(
         self, seq_ids: list[str], new_taps: list, block_embeds: mx.array, starts: list[int]
-    ) -> mx.array:
-        """`draft` for N open sequences in one call and one body forward on the drafter:
-        block_embeds [N, L, H] -> hidden [N, L-1, H] (LocalDraftPeer.draft_batch there)."""
+    ) -> list[PendingPart]:
+        """`submit` for N open sequences in one call, drafted in one body forward there
+        (LocalDraftPeer.draft_batch): block_embeds [N, L, H]; `collect` each sequence's part
+        ([L-1, H]) later."""
         if self.channel is None or any(self.sessions.get(s) != self.generation for s in seq_ids):
             raise DraftUnavailable("the drafter restarted; the sequences are opened again")
         rows = [0 if t is None else int(t.shape[0]) for t in new_taps]
@@ -310,11 +340,21 @@ class RemoteDraftPeer:
         call = roles.DraftCall(
             batch_seq_ids=seq_ids, batch_starts=[int(s) for s in starts], batch_tap_rows=rows
         )
+        t0 = time.perf_counter()
         try:
             call_id = self._channel().submit(roles.DraftRequest(draft=call), arrays, 4 * N * L * H)
         except ChannelBroken as exc:
             raise self._broken(exc) from None
-        return self.collect(PendingDraft(call_id, self.generation, ",".join(seq_ids)))
+        self.stats["submit_s"] += time.perf_counter() - t0
+        batch = PendingBatch(PendingDraft(call_id, self.generation, ",".join(seq_ids)), N)
+        return [PendingPart(batch, n) for n in range(N)]
+
+    def draft_batch(
+        self, seq_ids: list[str], new_taps: list, block_embeds: mx.array, starts: list[int]
+    ) -> mx.array:
+        """`submit_batch` and wait: hidden [N, L-1, H]."""
+        parts = self.submit_batch(seq_ids, new_taps, block_embeds, starts)
+        return mx.stack([self.collect(part) for part in parts])
 
     def close(self, seq_id: str) -> None:
         if self.sessions.pop(seq_id, None) == self.generation and self.channel is not None:

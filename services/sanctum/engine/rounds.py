@@ -15,12 +15,16 @@ import mlx.core as mx
 from . import cuda
 from .batch import verify_batch
 from .peer import DraftUnavailable
-from .speculative import Decoder, RoundStats, Sequence, Step
+from .speculative import Decoder, Prefetch, RoundStats, Sequence, Step
 from .target import cache_offset
 
 
 class BatchDecoder(Decoder):
     """A Decoder that can also step several sequences in one round (`step_batch`)."""
+
+    # set during a shared round's settling: the sequences whose next block a pipelined peer
+    # should draft, asked for together once all are settled (one call, one drafter forward)
+    _deferred: list | None = None
 
     def step_batch(self, seqs: list[Sequence], keys: list[mx.array]) -> list[Step]:
         """One round of each sequence: the blocks of one width (all of them, unless adaptive
@@ -70,9 +74,15 @@ class BatchDecoder(Decoder):
         outs, tape = verify_batch(self.target, padded, caches, self.tap_ids, widths)
         # the shared phases' wall time, split over the batch
         draft_s, verify_s = draft_s / len(drafted), (time.perf_counter() - t1) / len(drafted)
-        for (i, seq, drafts, q, k_acc), block, out in zip(drafted, blocks, outs):
-            stats = RoundStats(block.shape[0], 0, 0, draft_s, verify_s)
-            steps[i] = self._conclude(seq, block, drafts, q, out, k_acc, stats)
+        self._deferred = []
+        try:
+            for (i, seq, drafts, q, k_acc), block, out in zip(drafted, blocks, outs):
+                stats = RoundStats(block.shape[0], 0, 0, draft_s, verify_s)
+                steps[i] = self._conclude(seq, block, drafts, q, out, k_acc, stats)
+            deferred = self._deferred
+        finally:
+            self._deferred = None
+        self._prefetch_together(deferred)  # the drafter works while the caches roll back
         settled = [steps[i] for i, *_ in drafted]
         t2 = time.perf_counter()
         keeps = [len(step.tokens) for step in settled]
@@ -80,6 +90,42 @@ class BatchDecoder(Decoder):
         rollback_s = (time.perf_counter() - t2) / len(drafted)
         for step in settled:
             step.stats.rollback_s = rollback_s
+
+    def _prefetch(self, seq: Sequence, start: int) -> None:
+        if self._deferred is not None and self.pipelined and hasattr(self.peer, "submit_batch"):
+            self._deferred.append((seq, start))
+        else:
+            super()._prefetch(seq, start)
+
+    def _prefetch_together(self, asked: list) -> None:
+        """`_prefetch` for a shared round's sequences: one call per block width (the blocks
+        are stacked), each sequence collecting its part next round as a prefetch of its own."""
+        groups: dict[int, list] = {}
+        for seq, start in asked:
+            if seq.finished is None and seq.prefetch is None:
+                groups.setdefault(self.width(seq), []).append((seq, start))
+        for width, group in groups.items():
+            if len(group) == 1:
+                super()._prefetch(*group[0])
+                continue
+            seqs = [seq for seq, _ in group]
+            try:
+                for seq in seqs:
+                    self._open_draft(seq)
+                embeds = mx.stack([self._block_embeds(seq.anchor, width) for seq in seqs])
+                parts = self.peer.submit_batch(
+                    [seq.seq_id for seq in seqs],
+                    [seq.taps.unsent() for seq in seqs],
+                    embeds,
+                    [start for _, start in group],
+                )
+            except DraftUnavailable:
+                for seq in seqs:  # the taps stay pending; the next round drafts as usual
+                    seq.draft_open = False
+                continue
+            for (seq, start), part in zip(group, parts):
+                seq.prefetch = Prefetch(part, seq.taps.sent, start, seq.anchor)
+                seq.taps.sent = seq.taps.end
 
     def _draft_all(self, seqs: list[Sequence], keys: list[mx.array]) -> list:
         """(drafts, q) of each sequence, or None where it cannot draft now: one drafter body
