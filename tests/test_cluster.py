@@ -483,3 +483,23 @@ def test_socket_directories_are_removed_or_swept():
     assert not os.path.exists(killed_dir) and os.path.isdir(own_dir)  # the live one stays
     own.close()
     assert not os.path.exists(own_dir)
+
+
+def test_bench_batch_through_the_cluster_checks_every_output(pair):
+    """`sanctum bench batch --cluster` (its own local Ray, in a child process): shared rounds
+    through the actor cluster, each output equal to its request served alone."""
+    import json
+    import subprocess
+    import sys
+
+    argv = ["bench", "batch", "--model", pair[0], "--drafter", pair[1], "--cluster",
+            "--concurrency", "1,2", "--max-tokens", "12", "--json"]  # fmt: skip
+    code = f"import sys; from sanctum.cli import main; sys.exit(main({argv!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["serving"] == "cluster"
+    assert [r["concurrency"] for r in result["levels"]] == [1, 2]
+    assert result["all_outputs_equal_alone"]
+    assert all(r["completion_tokens"] > 0 for r in result["levels"])

@@ -1,11 +1,13 @@
 """`sanctum bench batch`: concurrent requests sharing rounds (issue 15). The same requests are
-served at each concurrency by that many clients at once (inline, SANCTUM_MAX_BATCH = the largest
-concurrency; at 1 every round is one request's, today's path), then at the largest concurrency
-again with max_batch 1 (today's round-robin), and each output is checked against the
-concurrency-1 run, where every request was served alone."""
+served at each concurrency by that many clients at once (inline, or through the actor cluster
+with `--cluster`; SANCTUM_MAX_BATCH = the largest concurrency; at 1 every round is one
+request's), then inline at the largest concurrency again with max_batch 1 (the round-robin),
+and each output is checked against the concurrency-1 run, where every request was served
+alone."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -41,10 +43,16 @@ def add_parser(bsub) -> None:
         help="serve each level once before timing it (compiled graphs per batch shape: slow "
         "to build on a GPU, built once by a running server)",
     )
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="serve through the actor cluster (verifier, drafter and store actors) instead of "
+        "inline; its max_batch is fixed at start, so no round-robin row",
+    )
     p.add_argument("--json", action="store_true")
 
 
-def _serve(sched, requests: list, clients: int) -> tuple[float, dict]:
+def _serve(backend, requests: list, clients: int) -> tuple[float, dict]:
     """Serve `requests` with `clients` of them in flight at once; (wall seconds, id -> result)."""
     from ..serving.requests import GenerateRequest
 
@@ -60,7 +68,7 @@ def _serve(sched, requests: list, clients: int) -> tuple[float, dict]:
             except queue.Empty:
                 return
             fresh = GenerateRequest(**{**req.__dict__, "request_id": f"{req.request_id}-{clients}"})
-            chunks = list(sched.submit(fresh))
+            chunks = list(backend.submit(fresh))
             out[i] = ([t for c in chunks for t in c.token_ids], chunks[-1].usage)
 
     t0 = time.perf_counter()
@@ -94,20 +102,28 @@ def run(args) -> dict:
         )
         for i in range(count)
     ]
-    backend = InlineBackend(settings)
+    if args.cluster:
+        from ..cluster.backend import start_cluster
+        from ..cluster.localray import init_local_ray
+
+        init_local_ray(namespace=f"sanctum-bench-{os.getpid()}", log_to_driver=False)
+        backend = start_cluster(settings)
+    else:
+        backend = InlineBackend(settings)
     try:
         backend.ready(300)
-        sched = backend.scheduler
-        _serve(sched, requests[:1], 1)  # warm-up: compiled graphs, BLAS threads
+        _serve(backend, requests[:1], 1)  # warm-up: compiled graphs, BLAS threads
         rows, alone = [], None
-        # each level batched, then the largest one again without shared rounds (today's
+        # each level batched, then (inline) the largest one again without shared rounds (the
         # round-robin of one request's round at a time), in the same run
-        for clients, width in [(c, max(levels)) for c in levels] + [(max(levels), 1)]:
-            sched.max_batch = width  # read by the worker loop between rounds; idle here
+        plan = [(c, max(levels)) for c in levels] + ([] if args.cluster else [(max(levels), 1)])
+        for clients, width in plan:
+            if not args.cluster:
+                backend.scheduler.max_batch = width  # read between rounds; idle here
             cold_s = None
             if args.warm:  # a first pass traces and compiles each new [sequences, rows] shape
-                cold_s = round(_serve(sched, requests, clients)[0], 3)
-            wall, out = _serve(sched, requests, clients)
+                cold_s = round(_serve(backend, requests, clients)[0], 3)
+            wall, out = _serve(backend, requests, clients)
             tokens = {i: toks for i, (toks, _) in out.items()}
             if alone is None:
                 alone = tokens
@@ -136,12 +152,19 @@ def run(args) -> dict:
         return {
             "requests": count,
             "max_tokens": args.max_tokens,
-            "block_size": backend.verifier.decoder.block_size,
+            "block_size": settings.engine.block_size or "the drafter's",
             "temperature": args.temperature,
             "adaptive_width": bool(args.adaptive_width),
+            "serving": "cluster" if args.cluster else "inline",
             "levels": rows,
             "all_outputs_equal_alone": all(r["outputs_equal_alone"] for r in rows),
-            "batched_vs_unbatched_at_most": round(top / rows[-1]["aggregate_tok_s"], 2),
+            "batched_vs_unbatched_at_most": None
+            if args.cluster
+            else round(top / rows[-1]["aggregate_tok_s"], 2),
         }
     finally:
         backend.close()
+        if args.cluster:
+            import ray
+
+            ray.shutdown()
