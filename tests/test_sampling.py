@@ -90,19 +90,29 @@ def test_rejection_rule_reproduces_target_distribution():
 
 
 @pytest.fixture(scope="module")
-def tiny_vocab_pair(tmp_path_factory):
+def tiny_vocab_pairs(tmp_path_factory):
+    """A hybrid target on a 16-token vocabulary with a DFlash and a DFlash 2 drafter."""
     out = tmp_path_factory.mktemp("v16")
     target_dir = make_tiny_target(out / "target", "hybrid", seed=3, vocab_size=VOCAB)
-    drafter_dir = make_tiny_drafter(out / "drafter", target_dir, "dflash", seed=4, block_size=4)
     target = load_target(target_dir)
-    return target, load_drafter(drafter_dir, target)
+    drafters = {}
+    for kind in ("dflash", "dflash2"):
+        path = make_tiny_drafter(out / kind, target_dir, kind, seed=4, block_size=4)
+        drafters[kind] = load_drafter(path, target)
+    return target, drafters
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=8, top_p=0.9)])
-def test_speculative_sampling_follows_target_not_drafter(tiny_vocab_pair, params):
+@pytest.mark.parametrize(
+    "kind,params",
+    [("dflash", SamplingParams(1.0)), ("dflash", SamplingParams(0.8, top_k=8, top_p=0.9)),
+     ("dflash2", SamplingParams(0.5)), ("dflash2", SamplingParams(1.0))],
+)  # fmt: skip
+def test_speculative_sampling_follows_target_not_drafter(tiny_vocab_pairs, kind, params):
     """End to end on a 16-token vocabulary: the first token of a speculative round, given a
-    fixed anchor, follows the target's (processed) distribution, not the drafter's."""
-    target, drafter = tiny_vocab_pair
+    fixed anchor, follows the target's (processed) distribution, not the drafter's (DFlash 2:
+    drafted through its selector at 0.5, from its whole distribution at 1.0)."""
+    target, drafters = tiny_vocab_pairs
+    drafter = drafters[kind]
     decoder = Decoder(target, drafter, LocalDraftPeer(drafter))
     prompt = [6, 7, 8, 9, 10, 11]
     anchor = 12
@@ -131,3 +141,25 @@ def test_speculative_sampling_follows_target_not_drafter(tiny_vocab_pair, params
 def _next_logits(target, ids):
     logits, _ = target.forward(mx.array(ids), target.make_cache())
     return logits[-1:]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 0.79, 0.8, 1.0])
+def test_dflash2_drafts_through_its_selector_below_its_temperature(tiny_vocab_pairs, temperature):
+    """Below SELECTOR_MAX_TEMPERATURE DFlash 2's q lives on the selector's top-k candidates;
+    from it on, q is the body's whole processed distribution, as DFlash's."""
+    from sanctum.engine.speculative import SELECTOR_MAX_TEMPERATURE
+
+    target, drafters = tiny_vocab_pairs
+    drafter = drafters["dflash2"]
+    decoder = Decoder(target, drafter, LocalDraftPeer(drafter))
+    params = SamplingParams(temperature)
+    seq = decoder.new_sequence("q", sampling=params, max_tokens=100)
+    decoder.prefill(seq, [6, 7, 8, 9, 10, 11])
+    seq.anchor = 12
+    _, q = decoder._draft(seq, params, make_key(0))
+    support = (np.array(q) > 0).sum(axis=-1)
+    if temperature < SELECTOR_MAX_TEMPERATURE:
+        assert (support <= drafter.cfg.selector_top_k).all()
+    else:
+        assert (support > drafter.cfg.selector_top_k).all()
+        assert np.allclose(np.array(q).sum(-1), 1.0, atol=1e-5)
