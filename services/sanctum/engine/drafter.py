@@ -307,6 +307,17 @@ class DraftBody(nn.Module):
 # ---- the head --------------------------------------------------------------------------
 
 
+# When sampling, DFlash 2's selector re-scores the body's top this many tokens, not its trained
+# top-k (16): a token the target samples is often outside the top 16, where q would be zero and
+# the draft always rejected (the rejection rule takes whatever q the drafts were drawn from, so
+# any pool is lossless). Greedy keeps the trained top-k, the reference's. On the default pair
+# (`sanctum bench tau --contexts 0,1024 --num-prompts 8 --block-sizes 8 --temperatures 0.7,1`,
+# contexts 0 / 1K): T 0.7 tau 2.36 / 2.23 with 16, 2.59 / 2.53 with 128, 2.46 / 2.59 with 256;
+# T 1: 1.70 / 1.65, 2.01 / 2.06, 1.91 / 2.04 (the body's whole distribution, as DFlash drafts:
+# 2.11 / 1.99 and 2.19 / 1.98).
+SAMPLING_CANDIDATES = 128
+
+
 class CandidateSelector(nn.Module):
     """DFlash 2: re-rank each row's top-k candidates by a low-rank (previous, next) bigram score."""
 
@@ -346,7 +357,8 @@ class DraftHead(nn.Module):
         """
         sel = self.candidate_selector
         R = hidden.shape[0]
-        k = min(self.cfg.selector_top_k, logits.shape[-1])
+        top_k = self.cfg.selector_top_k if temperature <= 0 else SAMPLING_CANDIDATES
+        k = min(max(top_k, self.cfg.selector_top_k), logits.shape[-1])
         cand = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]  # [R, k]
         cand_logits = mx.take_along_axis(logits, cand, axis=-1)
         proj = sel.hidden_projection(hidden).astype(mx.float32)  # [R, rank]

@@ -65,14 +65,6 @@ class Step:
 
 GREEDY = SamplingParams()
 MIN_WIDTH = 2  # the smallest block adaptive width drafts (an anchor and one draft)
-# DFlash 2 samples its drafts through its candidate selector below this temperature, and from
-# its body's whole distribution (as DFlash does) at and above: a flat target distribution puts
-# much of its mass outside the selector's top-k candidates. Measured on the default pair
-# (`bench tau --contexts 0,1024 --num-prompts 4 --block-sizes 8`, tau selector / whole):
-# T 0.7: 2.32 / 2.06 and 2.16 / 2.07; T 0.85: 2.12 / 2.19 and 2.04 / 2.09; T 1: 1.76 / 2.16
-# and 1.62 / 1.94; T 1.2: 1.36 / 2.27 and 1.48 / 2.20 (contexts 0 and 1K). Both are lossless:
-# the rejection rule takes the q the drafts were drawn from.
-SELECTOR_MAX_TEMPERATURE = 0.8
 # (completion so far, new tokens) -> how many of the new tokens to keep, and whether to stop
 StopCheck = Callable[[list[int], list[int]], tuple[int, bool]]
 
@@ -384,7 +376,7 @@ class Decoder:
 
     def _propose(self, seq: Sequence, hidden, logits, params: SamplingParams, key: mx.array):
         """Draft tokens from the body's hidden states [L-1, H] and their logits [L-1, V]."""
-        if self.cfg.is_v2 and (params.greedy or params.temperature < SELECTOR_MAX_TEMPERATURE):
+        if self.cfg.is_v2:
             temp = 0.0 if params.greedy else params.temperature
             drafts, cand, cand_q = self.head.select(hidden, logits, seq.anchor, temp, key)
             if params.greedy:
