@@ -103,16 +103,18 @@ def tiny_vocab_pairs(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "kind,params",
-    [("dflash", SamplingParams(1.0)), ("dflash", SamplingParams(0.8, top_k=8, top_p=0.9)),
-     ("dflash2", SamplingParams(0.5)), ("dflash2", SamplingParams(1.0))],
+    "kind,params,scale",
+    [("dflash", SamplingParams(1.0), 1.0), ("dflash", SamplingParams(0.8, top_k=8, top_p=0.9), 1.0),
+     ("dflash2", SamplingParams(0.5), 1.0), ("dflash2", SamplingParams(1.0), 1.0),
+     ("dflash", SamplingParams(1.0), 0.6), ("dflash2", SamplingParams(0.7), 1.6)],
 )  # fmt: skip
-def test_speculative_sampling_follows_target_not_drafter(tiny_vocab_pairs, kind, params):
+def test_speculative_sampling_follows_target_not_drafter(tiny_vocab_pairs, kind, params, scale):
     """End to end on a 16-token vocabulary: the first token of a speculative round, given a
     fixed anchor, follows the target's (processed) distribution, not the drafter's (DFlash 2:
-    through its selector, over its sampling pool)."""
+    through its selector, over its sampling pool), also when the drafter proposes at a scaled
+    temperature (`draft_temperature_scale`)."""
     target, drafters = tiny_vocab_pairs
-    drafter = drafters[kind]
+    drafter = _scaled(drafters[kind], scale)
     decoder = Decoder(target, drafter, LocalDraftPeer(drafter))
     prompt = [6, 7, 8, 9, 10, 11]
     anchor = 12
@@ -136,6 +138,73 @@ def test_speculative_sampling_follows_target_not_drafter(tiny_vocab_pairs, kind,
         target.rollback(seq.cache, seq.last_tape, 0)
     assert chi_square_p(counts, p) > 1e-3
     assert chi_square_p(counts, np.maximum(q, 1e-9) / np.maximum(q, 1e-9).sum()) < 1e-6
+
+
+def _scaled(drafter, scale: float):
+    return replace(drafter, cfg=replace(drafter.cfg, draft_temperature_scale=scale))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_draft_temperature_scale_flattens_the_proposal(tiny_vocab_pairs, kind):
+    """The proposal at request temperature T and scale s is the drafter's at T x s: a scale
+    above 1 spreads q (its entropy rises), and greedy drafting ignores the scale."""
+    target, drafters = tiny_vocab_pairs
+    hidden = mx.random.normal((3, drafters[kind].cfg.hidden_size), key=mx.random.key(2))
+    logits = drafters[kind].head.logits(hidden)
+
+    def proposal(scale, params):
+        decoder = Decoder(target, _scaled(drafters[kind], scale), None)
+        seq = decoder.new_sequence("q", sampling=params)
+        seq.anchor = 12
+        return decoder._propose(seq, hidden, logits, params, make_key(3))
+
+    def entropy(q):
+        q = np.array(q)
+        return float(-(q * np.log(np.maximum(q, 1e-30))).sum(-1).mean())
+
+    _, q1 = proposal(1.0, SamplingParams(0.5))
+    _, q2 = proposal(2.0, SamplingParams(0.5))
+    _, q_ref = proposal(1.0, SamplingParams(1.0))  # 0.5 x 2 = 1.0
+    assert entropy(q2) > entropy(q1) + 0.05
+    assert np.allclose(np.array(q2), np.array(q_ref), atol=1e-6)
+    greedy1, none1 = proposal(1.0, SamplingParams())
+    greedy2, _ = proposal(2.0, SamplingParams())
+    assert none1 is None and np.array_equal(np.array(greedy1), np.array(greedy2))
+
+
+def test_calibration_scores_the_engines_proposal(tiny_vocab_pairs):
+    """`train calibrate` rates the q the engine proposes: DFlash 2's first block row (after the
+    anchor) through `calibrate.proposal` equals `DraftHead.select`'s at T x scale."""
+    from sanctum.train.calibrate import proposal
+
+    target, drafters = tiny_vocab_pairs
+    head = drafters["dflash2"].head
+    hidden = mx.random.normal((1, drafters["dflash2"].cfg.hidden_size), key=mx.random.key(4))
+    logits = head.logits(hidden)
+    rows = {"hidden": hidden, "logits": logits, "prev": mx.array([12])}
+    cand, q = proposal(head.candidate_selector, rows, 0.7, 1.3)
+    _, cand_e, q_e = head.select(hidden, logits, 12, 0.7 * 1.3, make_key(0))
+    dense = np.zeros(VOCAB)
+    dense[np.array(cand[0])] = np.array(q[0])
+    dense_e = np.zeros(VOCAB)
+    dense_e[np.array(cand_e[0])] = np.array(q_e[0])
+    assert np.allclose(dense, dense_e, atol=1e-5)
+
+
+def test_draft_temperature_scale_is_checked_at_load():
+    from sanctum.engine.drafter_config import DrafterConfig
+    from sanctum.engine.target import CheckpointError
+
+    raw = {"architectures": ["DFlashDraftModel"], "hidden_size": 64, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128,
+           "vocab_size": 16, "block_size": 4,
+           "dflash_config": {"target_layer_ids": [1], "mask_token_id": 5}}  # fmt: skip
+    assert DrafterConfig.from_dict(raw).draft_temperature_scale == 1.0
+    scaled = DrafterConfig.from_dict({**raw, "draft_temperature_scale": 1.3})
+    assert scaled.draft_temperature_scale == 1.3
+    for bad in (0, -1.0, "1.3", True):
+        with pytest.raises(CheckpointError, match="draft_temperature_scale"):
+            DrafterConfig.from_dict({**raw, "draft_temperature_scale": bad})
 
 
 def _next_logits(target, ids):

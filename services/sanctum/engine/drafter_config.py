@@ -54,6 +54,11 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # sanctum's own key (`sanctum train calibrate`): when sampling, the drafter proposes from its
+    # scores at temperature T x this scale, fitted on held-out data (any proposal distribution is
+    # lossless under the rejection rule; a trained drafter is sharper than the target, and a
+    # flatter q overlaps p more)
+    draft_temperature_scale: float = 1.0
 
     @property
     def is_v2(self) -> bool:
@@ -135,8 +140,16 @@ class DrafterConfig:
             layer_types=layer_types,
             sliding_window=raw.get("sliding_window"),
             is_causal=None if raw.get("is_causal") is None else bool(raw["is_causal"]),
+            draft_temperature_scale=_positive(raw, "draft_temperature_scale", where),
             **opt,
         )
+
+
+def _positive(raw: dict, key: str, where: str) -> float:
+    value = raw.get(key, 1.0)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise CheckpointError(f"{where}: {key} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def default_tap_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:

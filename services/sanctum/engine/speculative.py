@@ -375,9 +375,11 @@ class Decoder:
         return self._propose(seq, hidden, logits, params, key)
 
     def _propose(self, seq: Sequence, hidden, logits, params: SamplingParams, key: mx.array):
-        """Draft tokens from the body's hidden states [L-1, H] and their logits [L-1, V]."""
+        """Draft tokens from the body's hidden states [L-1, H] and their logits [L-1, V].
+        When sampling, the proposal q is the drafter's at the request's temperature times the
+        config's `draft_temperature_scale`; the rejection rule keeps p's distribution for any q."""
+        temp = 0.0 if params.greedy else params.temperature * self.cfg.draft_temperature_scale
         if self.cfg.is_v2:
-            temp = 0.0 if params.greedy else params.temperature
             drafts, cand, cand_q = self.head.select(hidden, logits, seq.anchor, temp, key)
             if params.greedy:
                 return drafts, None
@@ -385,7 +387,7 @@ class Decoder:
             return drafts, q
         if params.greedy:
             return mx.argmax(logits, axis=-1), None
-        q = probabilities(logits, params)
+        q = probabilities(logits, SamplingParams(temp, params.top_p, params.top_k))
         return sample(q, key), q
 
     def _accept(self, drafts, q, logits, params, key) -> tuple[int, int]:
