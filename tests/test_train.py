@@ -137,6 +137,14 @@ def test_dflash2_long_packing_loss_falls(tmp_path, tiny_pair, corpus_args):
                  "--out", str(tmp_path / "packed"), "--drafter-only"]) == 0  # fmt: skip
     packed = load_drafter(tmp_path / "packed" / "drafter", target)  # selector kept beside
     assert mx.allclose(packed.head.candidate_selector.successor_codebook, book, atol=1e-2).item()
+    # calibration: fits the sampled proposal's temperature scale on the held-out regen rows
+    from sanctum.train.calibrate import SCALES
+
+    assert main(["train", "calibrate", "--target", str(target_dir), "--drafter",
+                 str(tmp_path / "packed" / "drafter"), "--regen-data", str(regen), "--sequences",
+                 "2", "--seq-len", "160", "--rows-per-seq", "64", "--write"]) == 0  # fmt: skip
+    fitted = load_drafter(tmp_path / "packed" / "drafter", target).cfg.draft_temperature_scale
+    assert fitted in SCALES
 
 
 def test_fast_gdn_matches_mlx_lm(tiny_pair):

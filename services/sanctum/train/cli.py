@@ -1,4 +1,4 @@
-"""`sanctum train tokenizer | corpus | target | drafter | plot`: the training commands."""
+"""`sanctum train tokenizer | corpus | target | drafter | regen | pack | calibrate | plot`: the training commands."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 from pathlib import Path
+
+import numpy as np
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -201,6 +203,38 @@ def cmd_pack(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from ..engine.target import load_target
+    from .calibrate import block_rows, fit_scale, write_scale
+    from .data import sample_windows
+    from .drafter import crop, init_trainee, target_for_training
+    from .gdn import chunked_gdn
+    from .regen import load_regen
+
+    rng = np.random.default_rng(args.seed)
+    with chunked_gdn():
+        target = target_for_training(load_target(args.target), "float32")
+        trainee, _ = init_trainee(args.drafter, target)
+        if args.regen_data:  # held-out regenerated rows: blocks where the target wrote itself
+            regen = load_regen(args.regen_data)
+            if regen.holdout is None:
+                raise SystemExit(f"{args.regen_data} has no held-out sequences")
+            n = min(args.sequences, regen.holdout.shape[0])
+            seq_len = min(args.seq_len, regen.holdout.shape[1])
+            tokens, prefer = crop(regen.holdout, regen.holdout_generated, n, seq_len, rng,
+                                  pick=np.arange(n))  # fmt: skip
+        else:  # held-out corpus windows
+            corpus = _load_corpus(args, Path(target.path))
+            tokens, prefer = sample_windows(corpus.holdout, args.sequences, args.seq_len, rng), None
+        rows = block_rows(trainee, target, tokens, prefer, args.block_size, args.rows_per_seq,
+                          args.seed)  # fmt: skip
+        fit = fit_scale(trainee, rows, _floats(args.temperatures))
+    if args.write:
+        write_scale(args.drafter, fit["scale"])
+    print(json.dumps({"drafter": args.drafter, "written": bool(args.write), **fit}))
+    return 0
+
+
 def register(subparsers) -> None:
     """Adds `train` and its subcommands to the top-level CLI."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
@@ -314,6 +348,23 @@ def register(subparsers) -> None:
     p.add_argument("--drafter-only", action="store_true",
                    help="write only OUT/drafter, checked against --target as it is (e.g. a packed one)")  # fmt: skip
     p.set_defaults(func=cmd_pack)
+
+    p = sub.add_parser("calibrate",
+                       help="fit a drafter's draft_temperature_scale (sampled acceptance) on held-out data")  # fmt: skip
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--regen-data", metavar="NPZ",
+                   help="held-out regenerated sequences (default: held-out corpus windows)")  # fmt: skip
+    p.add_argument("--data", help="a token file from `sanctum train corpus` (instead of --corpus)")
+    p.add_argument("--sequences", type=int, default=6)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--rows-per-seq", type=int, default=512)
+    p.add_argument("--temperatures", default="0.7,1", help="the fit maximizes their mean tau")
+    p.add_argument("--write", action="store_true", help="write the scale into config.json")
+    p.add_argument("--seed", type=int, default=7)
+    _corpus_flags(p)
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("position-loss", help="a target's held-out loss by position, long windows")
     p.add_argument("--target", required=True)
