@@ -3,10 +3,16 @@
 #   train.sh target     the long-context target, packed to 6 bits, then its regenerated data
 #   train.sh drafters   the DFlash 2 and DFlash drafters against the packed target, packed to 8 bits
 #   train.sh install    the packed pair into services/sanctum/assets/default
-#   train.sh finetune   what is shipped today: the first-generation drafter at $INIT re-layered to
-#                       slide over $FT_WINDOW rows, fine-tuned at $SEQ tokens as DFlash 2 and as
-#                       DFlash (one after the other: together they ran out of memory on the H200)
-#                       against the shipped target, on $W/regen.npz (made on the CPU if absent)
+#   train.sh finetune   the second generation's first fine-tune: the first-generation drafter at
+#                       $INIT re-layered to slide over $FT_WINDOW rows, fine-tuned at $SEQ tokens
+#                       as DFlash 2 and as DFlash (one after the other: together they ran out of
+#                       memory on the H200) against the shipped target, on $W/regen.npz (made on
+#                       the CPU if absent)
+#   train.sh gpu-regen  what is shipped today, step 1: $GPU_PARTS x 256 regenerated sequences of
+#                       $SEQ tokens, 8 spans of 128 tokens each, made on the GPU (seeds 100, 101, ...)
+#   train.sh refine     step 2: the shipped drafter fine-tuned on them twice (lr 3e-4 for $REFINE1_S s,
+#                       then lr 2.5e-4 for $REFINE2_S s from the first), packed, then its sampling
+#                       temperature scale fitted on the held-out regenerated rows (`train calibrate`)
 # Run from the repository root, with `sanctum` importable (PYTHONPATH=services or the venv) and a
 # corpus from `sanctum train corpus` at $CORPUS. The defaults are the shipped run's (one NVIDIA H200,
 # MLX with its CUDA backend); the variables below scale it down for a smoke run on a CPU.
@@ -28,6 +34,9 @@ WINDOW=${WINDOW:-2048}                 # the drafters' sliding window
 INIT=${INIT:-runs/drafter-gen1}         # finetune: the first-generation drafter (assets README)
 FT_WINDOW=${FT_WINDOW:-256}
 FT_S=${FT_S:-300}
+GPU_PARTS=${GPU_PARTS:-6}
+REFINE1_S=${REFINE1_S:-215}
+REFINE2_S=${REFINE2_S:-440}
 PY=${PY:-python3 -m sanctum.cli}
 TOK=services/sanctum/assets/default/target   # the shipped tokenizer (8,192 byte-level BPE)
 mkdir -p "$W"
@@ -103,6 +112,45 @@ finetune() {
   done
 }
 
+gpu_regen() {  # parts of 256 (batch 64 failed a CUDA graph launch), the first with 32 held out
+  local part hold
+  for ((part = 0; part < GPU_PARTS; part++)); do
+    hold=0; [ $part = 0 ] && hold=32
+    run $PY train regen --target services/sanctum/assets/default/target --data "$CORPUS" \
+      --out "$W/regen-gpu-$part.npz" --count 256 --holdout $hold --seq-len "$SEQ" --spans 8 \
+      --new-tokens 128 --temperatures 0,0,0.7,1 --batch 32 --seed $((100 + part))
+  done
+  python3 - "$W" "$GPU_PARTS" <<'PY'
+import json, sys
+import numpy as np
+w, n = sys.argv[1], int(sys.argv[2])
+zs = [dict(np.load(f"{w}/regen-gpu-{i}.npz")) for i in range(n)]
+out = {k: np.concatenate([z[k] for z in zs]) for k in ("train", "train_generated", "kinds", "temperatures")}
+out.update(holdout=zs[0]["holdout"], holdout_generated=zs[0]["holdout_generated"])
+info = json.loads(str(zs[0]["info"])) | {"parts": n}
+np.savez_compressed(f"{w}/regen-gpu.npz", **out, info=np.array(json.dumps(info)))
+PY
+}
+
+refine() {
+  local A=services/sanctum/assets/default
+  refine_step "$A/drafter" "$W/refine1" 3e-4 "$REFINE1_S"
+  refine_step "$W/refine1" "$W/refine2" 2.5e-4 "$REFINE2_S"
+  run $PY train pack --target "$A/target" --drafter "$W/refine2" --out "$W/packed-dflash2" \
+    --drafter-only --drafter-bits 8
+  run $PY train calibrate --target "$A/target" --drafter "$W/packed-dflash2/drafter" \
+    --regen-data "$W/regen-gpu.npz" --write
+}
+
+refine_step() {  # refine_step INIT OUT LR BUDGET
+  run $PY train drafter --target services/sanctum/assets/default/target --data "$CORPUS" \
+    --regen-data "$W/regen-gpu.npz" --init "$1" --kind dflash2 --out "$2" --block-sizes 8,16 \
+    --seq-len "$SEQ" --batch "$BATCH" --rows-per-seq 1024 --regen-frac 0.6 --steps "$STEPS" \
+    --time-budget "$4" --save-every 60 --lr "$3" --warmup 20 --eval-every 100 --log-every 10 \
+    --distill 0.5 --hard-labels target --select tau --dtype float32 --target-dtype float32
+}
+
 all() { target && drafters; }
 
-"${1:?usage: train.sh target|drafters|all|install|finetune}"
+cmd=${1:?usage: train.sh target|drafters|all|install|finetune|gpu-regen|refine}
+"${cmd//-/_}"
