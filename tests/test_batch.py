@@ -514,3 +514,49 @@ def test_blocks_padded_to_the_matrix_kernel_rows_decode_as_unpadded(make_pair, m
         for seq_id, *_ in specs:
             assert got[seq_id] == refs[seq_id], seq_id
     assert any(p > 0 for p in pads)  # narrow blocks were padded
+
+
+def test_steady_drafts_of_a_batch_run_as_one_compiled_stack_equal_to_alone(make_pair, tmp_path):
+    """An all-sliding drafter (the published DFlash 2 layout) whose sequences' windows are
+    full drafts the whole batch in one call of its compiled stack: every block's hidden states
+    equal drafting it alone (to float32 rounding: OpenBLAS's products of 48 rows and of 16 can
+    round differently, as in the op-by-op batch), and greedy and seeded sampled outputs equal
+    alone."""
+    from sanctum.engine.drafter import load_drafter
+    from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
+
+    target_dir, _ = make_pair("hybrid", "dflash")
+    target, _ = load_pair(make_pair)
+    raw = DRAFTER_LAYOUTS["dflash2"](drafter_config("dflash", target_dir))
+    drafter = load_drafter(write_random_drafter(tmp_path / "d2", raw, seed=2), target)
+    window = drafter.cfg.sliding_window
+    body, peer = drafter.body, LocalDraftPeer(drafter)
+    width = len(drafter.cfg.target_layer_ids) * target.hidden_size
+    starts = [window + 5, 2 * window + 1, 3 * window]  # every window full
+    taps = [mx.random.normal((s, width), key=mx.random.key(s)) for s in starts]
+    embeds = mx.stack([target.embed_tokens(mx.array([3 + n] + [4] * 15)) for n in range(3)])
+    for n in range(3):
+        peer.open(f"solo{n}")
+        peer.open(f"batch{n}")
+    alone = [peer.draft(f"solo{n}", taps[n], embeds[n], starts[n]) for n in range(3)]
+    calls = []
+    stack = body._compiled_stack()
+    body.__dict__["_stack"] = lambda *a: calls.append(a[0].shape) or stack(*a)
+    together = peer.draft_batch([f"batch{n}" for n in range(3)], taps, embeds, starts)
+    assert calls == [(3, 16, body.cfg.hidden_size)]  # one call for the three blocks
+    for n in range(3):
+        assert mx.allclose(together[n], alone[n], atol=1e-5).item(), f"sequence {n}"
+    # end to end: prompts past the window, greedy and seeded sampling, each as alone
+    del body.__dict__["_stack"]
+    prompts = [p * 6 for p in PROMPTS[:3]]
+    params = [
+        None,
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=1.0, seed=2),
+    ]
+    decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
+    specs = [(f"s{i}", p, 24, "fp16", (), s) for i, (p, s) in enumerate(zip(prompts, params))]
+    got, widths = run_batch(decoder, target, specs)
+    assert max(widths) == 3
+    for i, (p, s) in enumerate(zip(prompts, params)):
+        assert got[f"s{i}"] == solo(target, drafter, p, 24, sampling=s), f"sequence {i}"
