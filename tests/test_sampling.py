@@ -230,3 +230,17 @@ def test_dflash2_samples_from_a_wider_pool_than_it_picks_greedily(tiny_vocab_pai
     assert np.allclose(np.array(q).sum(-1), 1.0, atol=1e-5)
     if temperature > 0:
         assert ((np.array(q) > 0).sum(-1) > top_k).all()  # mass beyond the trained top-k
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_dflash2_greedy_selection_of_a_batch_equals_each_alone(tiny_vocab_pairs, rows):
+    """`DraftHead.select_greedy` over N blocks picks what `select` picks for each alone."""
+    _, drafters = tiny_vocab_pairs
+    head = drafters["dflash2"].head
+    hidden = mx.random.normal((4, rows, drafters["dflash2"].cfg.hidden_size), key=mx.random.key(6))
+    logits = head.logits(hidden.reshape(4 * rows, -1)).reshape(4, rows, -1)
+    anchors = [12, 3, 7, 12]
+    together = head.select_greedy(hidden, logits, mx.array(anchors))
+    for n, anchor in enumerate(anchors):
+        alone, _, _ = head.select(hidden[n], logits[n], anchor, 0.0)
+        assert np.array_equal(np.array(together[n]), np.array(alone)), f"block {n}"

@@ -355,24 +355,13 @@ class DraftHead(nn.Module):
         Returns (tokens [R], candidate ids [R, k], candidate probabilities q [R, k]); greedy
         (temperature 0) takes the argmax and q is one-hot on it.
         """
-        sel = self.candidate_selector
         R = hidden.shape[0]
         top_k = self.cfg.selector_top_k if temperature <= 0 else SAMPLING_CANDIDATES
-        k = min(max(top_k, self.cfg.selector_top_k), logits.shape[-1])
-        cand = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]  # [R, k]
-        cand_logits = mx.take_along_axis(logits, cand, axis=-1)
-        proj = sel.hidden_projection(hidden).astype(mx.float32)  # [R, rank]
-        succ = sel.successor_codebook[cand].astype(mx.float32)  # [R, k, rank]
-        # Every row's scores for every possible predecessor, in two batched products: row 0
-        # follows the anchor, row r > 0 one of row r-1's k candidates ([R-1, k prev, k]). The
-        # left-to-right choice below is then a gather and an argmax (or a draw) a row.
-        anchor_code = sel.predecessor_codebook[anchor].astype(mx.float32)
-        first = cand_logits[0] + succ[0] @ (anchor_code * proj[0])
-        if R > 1:
-            prev_codes = sel.predecessor_codebook[cand[:-1]].astype(mx.float32)  # [R-1, k, rank]
-            after = cand_logits[1:, None, :] + (prev_codes * proj[1:, None, :]) @ succ[1:].swapaxes(
-                -1, -2
-            )
+        cand, first, after = self._candidate_scores(
+            hidden[None], logits[None], mx.array([anchor]), top_k
+        )
+        cand, first, after = cand[0], first[0], after[0]
+        k = cand.shape[-1]
         keys = mx.random.split(key, R) if key is not None else None
         picks, probs, scores = [], [], first
         for r in range(R):
@@ -388,6 +377,41 @@ class DraftHead(nn.Module):
         if temperature <= 0:  # q one-hot on each pick
             return tokens, cand, (mx.arange(k)[None] == idx).astype(mx.float32)
         return tokens, cand, mx.stack(probs)
+
+    def select_greedy(self, hidden: mx.array, logits: mx.array, anchors: mx.array) -> mx.array:
+        """`select` at temperature 0 for N blocks at once (a shared round): hidden [N, R, H],
+        logits [N, R, V], anchors [N] -> tokens [N, R], each row's pick given its own block's
+        previous pick, as `select` makes it alone."""
+        N, R = hidden.shape[:2]
+        cand, scores, after = self._candidate_scores(
+            hidden, logits, anchors, self.cfg.selector_top_k
+        )
+        picks = []
+        for r in range(R):
+            if r > 0:  # [N, k]: each block's scores given its previous row's pick
+                scores = mx.take_along_axis(after[:, r - 1], picks[-1][:, None, None], axis=1)[:, 0]
+            picks.append(mx.argmax(scores, axis=-1))
+        return mx.take_along_axis(cand, mx.stack(picks, axis=1)[..., None], axis=-1)[..., 0]
+
+    def _candidate_scores(self, hidden, logits, anchors, top_k: int):
+        """Blocks [N, R, H] / [N, R, V] after `anchors` [N]: (candidates [N, R, k], row 0's
+        scores [N, k], rows 1..R-1's scores for every previous candidate [N, R-1, k, k])."""
+        sel = self.candidate_selector
+        k = min(max(top_k, self.cfg.selector_top_k), logits.shape[-1])
+        cand = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]  # [N, R, k]
+        cand_logits = mx.take_along_axis(logits, cand, axis=-1)
+        proj = sel.hidden_projection(hidden).astype(mx.float32)  # [N, R, rank]
+        succ = sel.successor_codebook[cand].astype(mx.float32)  # [N, R, k, rank]
+        # Every row's scores for every possible predecessor, in two batched products: row 0
+        # follows the anchor, row r > 0 one of row r-1's k candidates ([R-1, k prev, k]). The
+        # left-to-right choice is then a gather and an argmax (or a draw) a row.
+        anchor_code = sel.predecessor_codebook[anchors].astype(mx.float32)  # [N, rank]
+        first = cand_logits[:, 0] + (succ[:, 0] @ (anchor_code * proj[:, 0])[..., None])[..., 0]
+        prev_codes = sel.predecessor_codebook[cand[:, :-1]].astype(mx.float32)  # [N, R-1, k, rank]
+        after = cand_logits[:, 1:, None, :] + (prev_codes * proj[:, 1:, None, :]) @ succ[
+            :, 1:
+        ].swapaxes(-1, -2)
+        return cand, first, after
 
 
 @dataclass

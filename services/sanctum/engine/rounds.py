@@ -157,8 +157,16 @@ class BatchDecoder(Decoder):
         N, R, H = hidden.shape
         logits = self.head.logits(cuda.pad_rows(hidden.reshape(N * R, H)))[: N * R]
         logits = logits.reshape(N, R, -1)  # [N, L-1, V]
-        out = []
+        out: list = [None] * N
+        greedy = [n for n, s in enumerate(seqs) if s.sampling.greedy] if self.cfg.is_v2 else []
+        if len(greedy) > 1:  # DFlash 2's greedy selections of all blocks in one pass
+            rows = mx.array(greedy)
+            anchors = mx.array([seqs[n].anchor for n in greedy])
+            tokens = self.head.select_greedy(hidden[rows], logits[rows], anchors)
+            for j, n in enumerate(greedy):
+                out[n] = (tokens[j], None)
         for n, (seq, key) in enumerate(zip(seqs, keys)):
             seq.taps.sent = seq.taps.end
-            out.append(self._propose(seq, hidden[n], logits[n], seq.sampling, key))
+            if out[n] is None:
+                out[n] = self._propose(seq, hidden[n], logits[n], seq.sampling, key)
         return out
