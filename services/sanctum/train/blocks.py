@@ -138,6 +138,33 @@ def selector_scores(sel: CandidateSelector, top_k: int, hidden, logits, prev, la
     return cand, unary + edges.astype(mx.float32)
 
 
+def block_rows(body: DraftBody, lm_head, mask_embed: mx.array, embeds: mx.array,
+               tokens: mx.array, taps: mx.array, t_logits: mx.array, anchors: mx.array,
+               block: int) -> dict:  # fmt: skip
+    """Teacher-forced block rows: for each anchor [B, N] a block `[x_p, MASK, ...]` of `block`
+    rows through the body; per predicted row k = 1..L-1 its hidden state and logits, the true
+    previous token (what DFlash 2's selector conditions on), the target's logits there and the
+    data's token: `hidden` [B, N, L-1, H], `logits` / `target` [B, N, L-1, V], `prev` / `labels`
+    [B, N, L-1]."""
+    B, N = anchors.shape
+    L = block
+    anchor_embeds = mx.take_along_axis(embeds, anchors[..., None], axis=1)  # [B, N, H]
+    masks = mx.broadcast_to(mask_embed, (B, N, L - 1, mask_embed.shape[-1]))
+    blocks = mx.concatenate([anchor_embeds[:, :, None], masks], axis=2)  # [B, N, L, H]
+    hidden = block_forward(body, taps, blocks, anchors)[:, :, 1:]  # [B, N, L-1, H]
+    idx = anchors[..., None] + mx.arange(1, L)  # [B, N, L-1]: positions predicted
+    prev_pos = (idx - 1).reshape(B, -1)
+    return {
+        "hidden": hidden,
+        "logits": output_logits(body.cfg, lm_head, hidden),
+        "prev": mx.take_along_axis(tokens, prev_pos, axis=1).reshape(B, N, L - 1),
+        "target": mx.take_along_axis(t_logits, prev_pos[..., None], axis=1).reshape(
+            B, N, L - 1, -1
+        ),
+        "labels": mx.take_along_axis(tokens, idx.reshape(B, -1), axis=1).reshape(B, N, L - 1),
+    }
+
+
 def draft_loss(body: DraftBody, lm_head, mask_embed: mx.array, embeds: mx.array, tokens: mx.array,
                taps: mx.array, t_logits: mx.array, anchors: mx.array, weights: mx.array,
                distill: float, hard_labels: str = "data",
@@ -154,16 +181,10 @@ def draft_loss(body: DraftBody, lm_head, mask_embed: mx.array, embeds: mx.array,
     cfg = body.cfg
     B, N = anchors.shape
     L = weights.shape[0] + 1
-    anchor_embeds = mx.take_along_axis(embeds, anchors[..., None], axis=1)  # [B, N, H]
-    masks = mx.broadcast_to(mask_embed, (B, N, L - 1, mask_embed.shape[-1]))
-    block = mx.concatenate([anchor_embeds[:, :, None], masks], axis=2)  # [B, N, L, H]
-    hidden = block_forward(body, taps, block, anchors)[:, :, 1:]  # [B, N, L-1, H]
-    logits = output_logits(cfg, lm_head, hidden)  # [B, N, L-1, V]
-    idx = anchors[..., None] + mx.arange(1, L)  # [B, N, L-1]: positions predicted
-    labels = mx.take_along_axis(tokens, idx.reshape(B, -1), axis=1).reshape(B, N, L - 1)
-    prev_pos = (idx - 1).reshape(B, -1)
-    prev = mx.take_along_axis(tokens, prev_pos, axis=1).reshape(B, N, L - 1)
-    t_rows = mx.take_along_axis(t_logits, prev_pos[..., None], axis=1).reshape(B, N, L - 1, -1)
+    rows = block_rows(body, lm_head, mask_embed, embeds, tokens, taps, t_logits, anchors, L)
+    hidden, logits, prev, t_rows, labels = (
+        rows[k] for k in ("hidden", "logits", "prev", "target", "labels")
+    )
     t_argmax = mx.argmax(t_rows, axis=-1)
     if hard_labels == "target":
         labels = t_argmax

@@ -23,36 +23,23 @@ import numpy as np
 
 from ..engine.drafter import SAMPLING_CANDIDATES
 from ..engine.target import Target
-from .blocks import block_forward, output_logits, sample_anchors, selector_scores, target_pass
+from .blocks import block_rows, sample_anchors, selector_scores, target_pass
 
 SCALES = (0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.7, 2.0)
 
 
-def block_rows(trainee, target: Target, tokens: np.ndarray, prefer: np.ndarray | None,
-               block: int, rows_per_seq: int, seed: int = 0) -> dict:  # fmt: skip
-    """Teacher-forced block rows of held-out `tokens` [B, S]: the drafter's q parts (hidden,
-    logits, the true previous tokens) and the target's logits at each predicted position."""
-    body = trainee.body
-    cfg = body.cfg
+def held_out_rows(trainee, target: Target, tokens: np.ndarray, prefer: np.ndarray | None,
+                  block: int, rows_per_seq: int, seed: int = 0) -> dict:  # fmt: skip
+    """`blocks.block_rows` of held-out `tokens` [B, S] (anchors leaning to `prefer`, the
+    target's own tokens), evaluated."""
+    cfg = trainee.body.cfg
     ids = mx.array(tokens.astype(np.int32))
     taps, t_logits = target_pass(target, ids, tuple(cfg.target_layer_ids))
-    embeds = target.embed_tokens(ids)
     mask_embed = target.embed_tokens(mx.array([cfg.mask_token_id]))
-    rng = np.random.default_rng(seed)
-    anchors = sample_anchors(ids.shape[0], ids.shape[1], block, rows_per_seq, rng, prefer)
-    B, N = anchors.shape
-    first = mx.take_along_axis(embeds, anchors[..., None], axis=1)[:, :, None]  # [B, N, 1, H]
-    masks = mx.broadcast_to(mask_embed, (B, N, block - 1, mask_embed.shape[-1]))
-    hidden = block_forward(body, taps, mx.concatenate([first, masks], axis=2), anchors)[:, :, 1:]
-    prev_pos = (anchors[..., None] + mx.arange(block - 1)).reshape(B, -1)  # row k follows k-1
-    rows = {
-        "hidden": hidden,
-        "logits": output_logits(cfg, target.lm_head, hidden),  # [B, N, L-1, V]
-        "prev": mx.take_along_axis(ids, prev_pos, axis=1).reshape(B, N, block - 1),
-        "target": mx.take_along_axis(t_logits, prev_pos[..., None], axis=1).reshape(
-            B, N, block - 1, -1
-        ),
-    }
+    anchors = sample_anchors(ids.shape[0], ids.shape[1], block, rows_per_seq,
+                             np.random.default_rng(seed), prefer)  # fmt: skip
+    rows = block_rows(trainee.body, target.lm_head, mask_embed, target.embed_tokens(ids), ids,
+                      taps, t_logits, anchors, block)  # fmt: skip
     mx.eval(rows)
     return rows
 

@@ -7,8 +7,6 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
-
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
@@ -204,8 +202,10 @@ def cmd_pack(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
+    import numpy as np
+
     from ..engine.target import load_target
-    from .calibrate import block_rows, fit_scale, write_scale
+    from .calibrate import fit_scale, held_out_rows, write_scale
     from .data import sample_windows
     from .drafter import crop, init_trainee, target_for_training
     from .gdn import chunked_gdn
@@ -226,8 +226,8 @@ def cmd_calibrate(args) -> int:
         else:  # held-out corpus windows
             corpus = _load_corpus(args, Path(target.path))
             tokens, prefer = sample_windows(corpus.holdout, args.sequences, args.seq_len, rng), None
-        rows = block_rows(trainee, target, tokens, prefer, args.block_size, args.rows_per_seq,
-                          args.seed)  # fmt: skip
+        rows = held_out_rows(trainee, target, tokens, prefer, args.block_size,
+                             args.rows_per_seq, args.seed)  # fmt: skip
         fit = fit_scale(trainee, rows, _floats(args.temperatures))
     if args.write:
         write_scale(args.drafter, fit["scale"])
