@@ -84,17 +84,6 @@ def _same_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _sync_ms(fn, reps: int) -> float:
-    """Median wall ms of `fn()` (which evaluates what it builds) over `reps` calls, after one."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
-
-
 def verify_costs(target, prompt: list[int], tap_ids, reps: int, kv: str) -> tuple[dict, list]:
     """decode(1) and verify(L) on the prefilled prompt, each synced and then undone; and that
     prefilled cache. `build_ms`: of each, the host time spent building the lazy graph (the
@@ -132,9 +121,9 @@ def verify_costs(target, prompt: list[int], tap_ids, reps: int, kv: str) -> tupl
     def build_ms(times):  # the synced calls' median, not the first (it may compile)
         return round(1000 * statistics.median(times[1:]), 3)
 
-    out = {"decode_ms": round(_sync_ms(decode, reps), 3), "verify_ms": {}}
+    out = {"decode_ms": round(qmm_cuda.median_ms(decode, reps), 3), "verify_ms": {}}
     for L in VERIFY_ROWS:
-        out["verify_ms"][L] = round(_sync_ms(lambda L=L: verify(L), reps), 3)
+        out["verify_ms"][L] = round(qmm_cuda.median_ms(lambda L=L: verify(L), reps), 3)
     out["verify_ratio"] = {L: round(ms / out["decode_ms"], 3) for L, ms in out["verify_ms"].items()}
     out["build_ms"] = {
         "decode": build_ms(builds["decode"]),

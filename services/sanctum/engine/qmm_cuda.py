@@ -266,8 +266,9 @@ def check(fn=None, shapes=((256, 512), (1024, 1536)), rows=(2, 7, 8, 16)) -> str
     return None
 
 
-def _median_ms(run, reps: int) -> float:
-    """Median wall ms of `run()` (which evaluates what it builds) over `reps` calls, after one."""
+def median_ms(run, reps: int) -> float:
+    """Median wall ms of `run()` (which evaluates what it builds) over `reps` calls, after one
+    (this module's speed gate, and `bench seed`'s synced timings)."""
     import statistics
     import time
 
@@ -298,7 +299,7 @@ def chain_ms(fn, rows: int = 8, pairs: int = 8, reps: int = 5) -> float:
             h = fn(fn(h, *up), *down)
         mx.eval(h)
 
-    return _median_ms(run, reps)
+    return median_ms(run, reps)
 
 
 def verdict() -> str | None:
