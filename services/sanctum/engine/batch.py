@@ -80,8 +80,9 @@ def verify_batch(
 def _attention_batch(attn, x: mx.array, masks: list, caches: list) -> mx.array:
     """An mlx-lm attention module over N sequences ([N, L, H]), each on its own KV cache.
     mlx-lm's module takes one cache, so a batch of ragged caches needs its body split: the
-    projections (and the output gate) run once over all N * L rows (q/k/v as one product where
-    fused at load: engine/fused.py), the cache part per sequence.
+    projections (and the output gate) run once over all N * L rows (q/k/v as one product when
+    fused: engine/fused.py; the target's are not fused at load, since a solo verify runs
+    mlx-lm's module on its own layers), the cache part per sequence.
     A module type not split here runs whole, once per sequence."""
     split = _SPLIT_ATTENTION.get(type(attn))
     if split is None:
