@@ -96,6 +96,12 @@ def test_socket_channel_roundtrip_growth_and_disconnect():
         ch.close()
         assert gone.wait(5)
         server.close()
+    # closing stops both of the server's threads (a blocked accept() is not woken by a close)
+    server.listener._thread.join(5)
+    server._mlx.thread.join(5)
+    assert not server.listener._thread.is_alive() and not server._mlx.thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        server.submit(lambda: None)
 
 
 def test_draft_service_equals_local_peer(engine):

@@ -113,6 +113,7 @@ class ClusterBackend:
         self._restarting = False  # from the verifier's death until it serves again
         self._closing = False
         self._probe: threading.Thread | None = None
+        self._watch: threading.Thread | None = None
         # how requests' events come back: "socket" (one connection, same host: events.py) or
         # "ray" (a Ray stream per request); None until known (again after a verifier restart)
         self.events_path: str | None = None
@@ -126,7 +127,7 @@ class ClusterBackend:
         ray.get(self.verifier.ready.remote(), timeout=timeout)
         self._event_client(timeout)
         self._restarting = False
-        if self.events_path == "ray" and self._probe is None:
+        if self.events_path == "ray" and self._probe is None and not self._closing:
             self._probe = threading.Thread(
                 target=self._probe_loop, name="sanctum-verifier-probe", daemon=True
             )
@@ -142,7 +143,7 @@ class ClusterBackend:
             if self.events_path != "ray" or self._restarting:
                 continue
             try:
-                ray.get(self.verifier.pid.remote(), timeout=10)
+                ray.get(self.verifier.pid.remote(), timeout=5)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 self._verifier_lost()
 
@@ -233,8 +234,8 @@ class ClusterBackend:
         def watch():
             try:
                 while not self._closing and ray.is_initialized():  # (else Ray would auto-init)
-                    try:
-                        self.ready(timeout=60)
+                    try:  # short waits: `close` joins this thread
+                        self.ready(timeout=5)
                     except Exception:
                         time.sleep(0.5)
                         continue
@@ -245,7 +246,8 @@ class ClusterBackend:
             finally:
                 self._watching.release()
 
-        threading.Thread(target=watch, name="sanctum-verifier-watch", daemon=True).start()
+        self._watch = threading.Thread(target=watch, name="sanctum-verifier-watch", daemon=True)
+        self._watch.start()
 
     def cancel(self, request_id: str) -> None:
         events = self._events
@@ -287,6 +289,11 @@ class ClusterBackend:
 
     def close(self) -> None:
         self._closing = True
+        # the probe and the restart watch call Ray: joined here, so none is still inside a Ray
+        # call when the caller shuts Ray down next (each notices `_closing` within seconds)
+        for thread in (self._probe, self._watch):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(15)
         if self._events is not None:
             self._events.close()
         # their sockets first: a killed actor runs no cleanup (a later start sweeps what is left)

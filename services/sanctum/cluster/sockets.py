@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 import threading
 from multiprocessing.connection import Listener
 
@@ -82,21 +83,37 @@ class UnixListener:
         self.address = os.path.join(self._dir, "s.sock")
         self.listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
         os.chmod(self.address, 0o600)
+        self._closing = False
         atexit.register(self.close)
-        threading.Thread(target=self._accept_loop, name=f"snc-{what}", daemon=True).start()
+        self._thread = threading.Thread(target=self._accept_loop, name=f"snc-{what}", daemon=True)
+        self._thread.start()
 
     def _accept_loop(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 conn = self.listener.accept()
             except OSError:
                 return  # listener closed
             except Exception as exc:
-                log.warning("%s: rejected a connection (%s)", self.what, exc.__class__.__name__)
+                if not self._closing:
+                    log.warning("%s: rejected a connection (%s)", self.what, exc.__class__.__name__)
                 continue
+            if self._closing:
+                conn.close()
+                return
             self.on_connection(conn)
 
     def close(self) -> None:
+        """Stop accepting: the accept thread is woken and joined before the socket closes.
+        (On Linux, closing a socket does not wake a thread blocked in accept() on it: that
+        thread would outlive the listener, holding the old file, for the life of the process.)"""
+        if self._closing:
+            return
+        self._closing = True
+        if self._thread is not threading.current_thread():
+            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as wake:
+                wake.connect(self.address)  # fails its handshake: accept() returns at once
+            self._thread.join(5)
         with contextlib.suppress(OSError):
             self.listener.close()
         with contextlib.suppress(OSError):

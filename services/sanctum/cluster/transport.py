@@ -130,6 +130,7 @@ class SocketServer:
         self._Future = Future
         self.on_disconnect = on_disconnect
         self._wake_r, self._wake_w = os.pipe()
+        self._wake_lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # new connections and jobs
         self._clients = 0
         self._mlx = MlxThread(load, self._serve, "snc-mlx", "the drafter")
@@ -142,22 +143,40 @@ class SocketServer:
     def submit(self, fn):
         """Run `fn()` on the MLX thread; returns a Future."""
         fut = self._Future()
-        self._inbox.put(("job", fn, fut))
-        os.write(self._wake_w, b"j")
+        self._wake(("job", fn, fut))
         return fut
 
     def _accepted(self, conn) -> None:
         self._clients += 1
-        self._inbox.put(("conn", conn, f"c{self._clients}"))
-        os.write(self._wake_w, b"c")
+        self._wake(("conn", conn, f"c{self._clients}"))
+
+    def _wake(self, item) -> None:
+        """Queue `item` for the MLX thread and wake it (under the lock `close` takes, so no
+        write goes to a pipe closed meanwhile, whose descriptor may already be reused)."""
+        with self._wake_lock:
+            if self._wake_w is None:
+                raise RuntimeError("the drafter's socket server is closed")
+            self._inbox.put(item)
+            os.write(self._wake_w, b"w")
 
     def _serve(self, handle) -> None:
         self.handle = handle
         clients: dict = {}  # connection -> [client id, slot]
+        try:
+            self._serve_until_stopped(clients)
+        finally:
+            for conn, (_, slot) in clients.items():
+                conn.close()
+                if slot is not None:
+                    slot.close()
+            os.close(self._wake_r)
+
+    def _serve_until_stopped(self, clients: dict) -> None:
         while True:
             for obj in wait([self._wake_r, *clients]):
                 if obj == self._wake_r:
-                    os.read(self._wake_r, 4096)
+                    if not os.read(self._wake_r, 4096):
+                        return  # `close`: the pipe's write end is closed
                     while not self._inbox.empty():
                         kind, a, b = self._inbox.get()
                         if kind == "conn":
@@ -208,7 +227,13 @@ class SocketServer:
         return True
 
     def close(self) -> None:
+        """Stop accepting, then stop the MLX thread's loop (it closes its connections and
+        slots, and the pipe's read end)."""
         self.listener.close()
+        with self._wake_lock:
+            if self._wake_w is not None:
+                os.close(self._wake_w)  # the loop reads end-of-file and returns
+                self._wake_w = None
 
 
 # ---- verifier side -----------------------------------------------------------------------

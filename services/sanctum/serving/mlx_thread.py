@@ -19,7 +19,8 @@ class MlxThread(Generic[T]):
         self.loaded: T | None = None
         self.error: BaseException | None = None
         self._ready = threading.Event()
-        threading.Thread(target=self._run, args=(load, serve), name=name, daemon=True).start()
+        self.thread = threading.Thread(target=self._run, args=(load, serve), name=name, daemon=True)
+        self.thread.start()
 
     def _run(self, load: Callable[[], T], serve: Callable[[T], None]) -> None:
         try:
