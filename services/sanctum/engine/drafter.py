@@ -327,6 +327,25 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = mx.zeros((cfg.vocab_size, cfg.selector_rank))
         self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
 
+    # The score of candidate c after previous token p, at a row with hidden state h:
+    #   logit(c) + <successor(c), predecessor(p) * W h>
+    # inference (DraftHead) and training (train/blocks.py) both compute it from these three.
+
+    def project(self, hidden: mx.array) -> mx.array:
+        """W h, in float32: [..., H] -> [..., rank]."""
+        return self.hidden_projection(hidden).astype(mx.float32)
+
+    def context(self, prev: mx.array, projected: mx.array) -> mx.array:
+        """predecessor(p) * W h: previous tokens `prev` [...] against `projected` rows
+        (broadcast): [..., rank]."""
+        return self.predecessor_codebook[prev].astype(mx.float32) * projected
+
+    def scores(self, context: mx.array, cand: mx.array, cand_logits: mx.array) -> mx.array:
+        """Candidates `cand` [..., k] (their logits `cand_logits`) scored after each of P
+        contexts [..., P, rank]: [..., P, k]."""
+        succ = self.successor_codebook[cand].astype(mx.float32)  # [..., k, rank]
+        return cand_logits[..., None, :] + context @ succ.swapaxes(-1, -2)
+
 
 class DraftHead(nn.Module):
     """Turns the body's hidden states into draft tokens (and their draft distribution q)."""
@@ -400,18 +419,15 @@ class DraftHead(nn.Module):
         k = min(max(top_k, self.cfg.selector_top_k), logits.shape[-1])
         cand = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]  # [N, R, k]
         cand_logits = mx.take_along_axis(logits, cand, axis=-1)
-        proj = sel.hidden_projection(hidden).astype(mx.float32)  # [N, R, rank]
-        succ = sel.successor_codebook[cand].astype(mx.float32)  # [N, R, k, rank]
-        # Every row's scores for every possible predecessor, in two batched products: row 0
-        # follows the anchor, row r > 0 one of row r-1's k candidates ([R-1, k prev, k]). The
-        # left-to-right choice is then a gather and an argmax (or a draw) a row.
-        anchor_code = sel.predecessor_codebook[anchors].astype(mx.float32)  # [N, rank]
-        first = cand_logits[:, 0] + (succ[:, 0] @ (anchor_code * proj[:, 0])[..., None])[..., 0]
-        prev_codes = sel.predecessor_codebook[cand[:, :-1]].astype(mx.float32)  # [N, R-1, k, rank]
-        after = cand_logits[:, 1:, None, :] + (prev_codes * proj[:, 1:, None, :]) @ succ[
-            :, 1:
-        ].swapaxes(-1, -2)
-        return cand, first, after
+        proj = sel.project(hidden)  # [N, R, rank]
+        # Every row's scores for every possible predecessor: row 0 follows the anchor, row
+        # r > 0 one of row r-1's k candidates ([R-1, k prev, k]). The left-to-right choice is
+        # then a gather and an argmax (or a draw) a row.
+        first = sel.scores(sel.context(anchors, proj[:, 0])[:, None], cand[:, 0], cand_logits[:, 0])
+        after = sel.scores(
+            sel.context(cand[:, :-1], proj[:, 1:, None]), cand[:, 1:], cand_logits[:, 1:]
+        )
+        return cand, first[:, 0], after
 
 
 @dataclass

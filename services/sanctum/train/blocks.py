@@ -133,9 +133,8 @@ def selector_scores(sel: CandidateSelector, top_k: int, hidden, logits, prev, la
         cand = mx.where(slot, label[..., None], cand)
     cand = mx.stop_gradient(cand)
     unary = mx.take_along_axis(logits, cand, axis=-1)
-    ctx = sel.predecessor_codebook[prev] * sel.hidden_projection(hidden)  # [..., R]
-    edges = (sel.successor_codebook[cand] * ctx[..., None, :]).sum(-1)  # [..., k]
-    return cand, unary + edges.astype(mx.float32)
+    ctx = sel.context(prev, sel.project(hidden))  # [..., rank]
+    return cand, sel.scores(ctx[..., None, :], cand, unary)[..., 0, :]
 
 
 def block_rows(body: DraftBody, lm_head, mask_embed: mx.array, embeds: mx.array,
