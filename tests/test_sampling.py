@@ -244,3 +244,154 @@ def test_dflash2_greedy_selection_of_a_batch_equals_each_alone(tiny_vocab_pairs,
     for n, anchor in enumerate(anchors):
         alone, _, _ = head.select(hidden[n], logits[n], anchor, 0.0)
         assert np.array_equal(np.array(together[n]), np.array(alone)), f"block {n}"
+
+
+# ---- block verification: exact over small trees of conditionals ------------------------------
+
+
+def _tree(rng, depth: int, vocab: int, conc: float, zeros: bool = False) -> dict:
+    """prefix (tuple) -> a next-token distribution, for every prefix of up to `depth` tokens;
+    `zeros`: some tokens impossible (p = 0) where they would be drafted."""
+    import itertools
+
+    out = {}
+    for d in range(depth + 1):
+        for prefix in itertools.product(range(vocab), repeat=d):
+            dist = rng.dirichlet(np.ones(vocab) * conc)
+            if zeros and rng.random() < 0.4:
+                dist[rng.integers(vocab)] = 0.0
+                dist /= dist.sum()
+            out[prefix] = dist
+    return out
+
+
+def _one_iteration_then_target(p: dict, q: dict, n: int, vocab: int, rule: str):
+    """Exact distribution of the first n + 1 tokens when one verify iteration of `n` drafts
+    (drafted from q) runs and the target continues; and the expected count of accepted drafts.
+    rule: "block" (sampling.block_acceptance) or "token"."""
+    import itertools
+
+    from sanctum.engine.sampling import block_acceptance
+
+    out: dict = {}
+    expected = 0.0
+
+    def cont(prefix, prob):  # the target samples the rest of the n + 1 tokens
+        if len(prefix) == n + 1:
+            out[prefix] = out.get(prefix, 0.0) + prob
+            return
+        for x in range(vocab):
+            if p[prefix][x] > 0:
+                cont(prefix + (x,), prob * p[prefix][x])
+
+    for drafts in itertools.product(range(vocab), repeat=n):
+        prob_q = np.prod([q[drafts[:i]][drafts[i]] for i in range(n)])
+        if prob_q == 0:
+            continue
+        P = np.stack([p[drafts[:i]] for i in range(n + 1)]).astype(np.float32)
+        Q = np.stack([q[drafts[:i]] for i in range(n)]).astype(np.float32)
+        if rule == "block":
+            h, residual = block_acceptance(mx.array(drafts), mx.array(Q), mx.array(P))
+            h, residual = np.array(h, np.float64), np.array(residual, np.float64)
+            stop = [h[i] * np.prod(1 - h[i + 1 :]) for i in range(n + 1)]  # P(keep exactly i)
+            res = [residual[i] for i in range(n)]
+        else:
+            ratio = np.minimum(1.0, P[np.arange(n), drafts] / Q[np.arange(n), drafts])
+            reach = np.concatenate([[1.0], np.cumprod(ratio)])  # P(the first i accepted)
+            stop = [reach[i] * (1 - ratio[i]) for i in range(n)] + [reach[n]]
+            res = [np.maximum(P[i] - Q[i], 0.0) for i in range(n)]
+        for i, s in enumerate(stop):
+            if s <= 0:
+                continue
+            expected += prob_q * s * i
+            nxt = P[n] if i == n else res[i] / res[i].sum()
+            for y in range(vocab):
+                if nxt[y] > 0:
+                    cont(drafts[:i] + (y,), prob_q * s * nxt[y])
+    return out, expected
+
+
+@pytest.mark.parametrize("n,vocab,conc,zeros", [(1, 4, 0.7, False), (2, 3, 0.5, False),
+                                                (3, 3, 0.8, True), (4, 2, 0.4, True)])  # fmt: skip
+def test_block_verification_keeps_the_target_distribution_exactly(n, vocab, conc, zeros):
+    """Over every draft block: one block-verification iteration, then the target, gives each
+    sequence of n + 1 tokens exactly the target's probability; and it accepts at least as many
+    drafts as the token rule in expectation."""
+    import itertools
+
+    rng = np.random.default_rng(n * 10 + vocab)
+    p = _tree(rng, n, vocab, conc, zeros)
+    q = _tree(rng, n - 1, vocab, conc)
+    got, block_len = _one_iteration_then_target(p, q, n, vocab, "block")
+    _, token_len = _one_iteration_then_target(p, q, n, vocab, "token")
+    for seq in itertools.product(range(vocab), repeat=n + 1):
+        want = np.prod([p[seq[:i]][seq[i]] for i in range(n + 1)])
+        assert abs(got.get(seq, 0.0) - want) < 2e-6, (seq, got.get(seq), want)
+    assert block_len >= token_len - 1e-6  # strictly more in the paper's example (below)
+
+
+def test_block_verification_accepts_the_papers_example_exactly():
+    """The paper's example: context-free models on {a, b}, target (1/3, 2/3), drafter (2/3,
+    1/3), two drafts: the token rule accepts 10/9 drafts on average, block verification 11/9."""
+    p = {k: np.array([1 / 3, 2 / 3]) for k in [(), (0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1)]}
+    q = {k: np.array([2 / 3, 1 / 3]) for k in [(), (0,), (1,)]}
+    _, token_len = _one_iteration_then_target(p, q, 2, 2, "token")
+    _, block_len = _one_iteration_then_target(p, q, 2, 2, "block")
+    assert abs(token_len - 10 / 9) < 1e-6 and abs(block_len - 11 / 9) < 1e-6
+
+
+def test_accept_block_draws_by_its_weights():
+    """`accept_block` samples what `block_acceptance` says: the count of drafts kept follows
+    h's stopping probabilities, and a rejected block's next token its residual."""
+    from sanctum.engine.sampling import accept_block, block_acceptance
+
+    rng = np.random.default_rng(7)
+    n = 3
+    P = mx.array(rng.dirichlet(np.ones(VOCAB) * 0.6, size=n + 1).astype(np.float32))
+    Q = mx.array(rng.dirichlet(np.ones(VOCAB) * 0.6, size=n).astype(np.float32))
+    drafts = mx.array([int(np.argmax(np.array(Q[i]))) for i in range(n)])
+    h, residual = (np.array(a, np.float64) for a in block_acceptance(drafts, Q, P))
+    stop = np.array([h[i] * np.prod(1 - h[i + 1 :]) for i in range(n + 1)])
+    trials = 4000
+    kept = np.zeros(n + 1)
+    first_after_none = np.zeros(VOCAB)
+    key = mx.random.key(3)
+    for _ in range(trials):
+        key, sub = mx.random.split(key)
+        acc, token = accept_block(drafts, Q, P, sub)
+        kept[acc] += 1
+        if acc == 0:
+            first_after_none[token] += 1
+    assert chi_square_p(kept, stop / stop.sum()) > 1e-3
+    assert chi_square_p(first_after_none, residual[0] / residual[0].sum()) > 1e-3
+
+
+def test_bench_tau_compares_the_acceptance_rules_in_one_run(pair):
+    """`sanctum bench tau --accept-rules block,token`: sampled tau and tok/s of both rules over
+    the same seeded prompts, beside the greedy figures; a rule it does not know is refused."""
+    import argparse
+
+    from sanctum.bench.decode import tau
+
+    args = argparse.Namespace(model=pair[0], drafter=pair[1], block_size=None, bits=None,
+                              kv_mode=None, contexts="0", block_sizes="4", temperatures="1.0",
+                              num_prompts=2, max_tokens=12, seed=0,
+                              accept_rules="block,token")  # fmt: skip
+    (row,) = tau(args)
+    assert row["greedy_outputs_identical"]
+    for key in ("tau_t1_b4", "tau_t1_b4_token", "speculative_tok_s_t1_b4_token"):
+        assert row[key] is not None and row[key] > 0, key
+    with pytest.raises(ValueError, match="--accept-rules"):
+        tau(argparse.Namespace(**{**vars(args), "accept_rules": "block,nope"}))
+
+
+def test_the_acceptance_rule_setting_is_checked():
+    from sanctum.engine.speculative import generate
+    from sanctum.settings import serve_settings
+
+    assert serve_settings(env={}).accept_rule == "block"
+    assert serve_settings(env={"SANCTUM_ACCEPT_RULE": "token"}).accept_rule == "token"
+    with pytest.raises(ValueError, match="SANCTUM_ACCEPT_RULE"):
+        serve_settings(env={"SANCTUM_ACCEPT_RULE": "best"})
+    with pytest.raises(ValueError, match="accept_rule"):
+        next(generate(None, [1], accept_rule="best"))

@@ -269,6 +269,8 @@ class ServeSettings:
     max_batch: int = var("SANCTUM_MAX_BATCH", 1, int)
     # 1: a sequence whose drafts keep failing drafts smaller blocks (engine Decoder.adaptive)
     adaptive_width: int = var("SANCTUM_ADAPTIVE_WIDTH", 0, int)
+    # how sampled drafts are accepted: block verification or the token rule (engine/sampling.py)
+    accept_rule: str = var("SANCTUM_ACCEPT_RULE", "block")
     max_tokens_limit: int = 4096
     # prompt tokens prefilled before the other requests get their next round, fewer if they
     # would take longer than prefill_slice_ms (serving/scheduler.py)
@@ -336,6 +338,12 @@ def serve_settings(
     )
     if s.transport not in TRANSPORTS:
         raise ValueError(f"transport must be auto, shm or object_store, got {s.transport!r}")
+    from .engine.sampling import ACCEPT_RULES
+
+    if s.accept_rule not in ACCEPT_RULES:
+        raise ValueError(
+            f"SANCTUM_ACCEPT_RULE must be one of {', '.join(ACCEPT_RULES)}, got {s.accept_rule!r}"
+        )
     return s
 
 

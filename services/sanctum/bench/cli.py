@@ -50,6 +50,12 @@ def register(sub) -> None:
     )
     t.add_argument("--block-sizes", default="8,16")
     t.add_argument("--temperatures", default="0.7,1.0", help="sampled tau (block: the first)")
+    t.add_argument(
+        "--accept-rules",
+        default="block",
+        help="sampled drafts' acceptance, comma separated: block (verification), token (rule); "
+        "each rule after the first adds keys ending in _<rule>",
+    )
     t.add_argument("--num-prompts", type=int, default=8, help="prompts per context length")
     t.add_argument("--max-tokens", type=int, default=96)
     t.add_argument("--seed", type=int, default=0)

@@ -11,10 +11,13 @@ if TYPE_CHECKING:
     from ..engine.speculative import RoundStats
 
 
-def _run_once(target, drafter, prompt_ids, max_tokens, settings, sampling=None, profile=False):
+def _run_once(
+    target, drafter, prompt_ids, max_tokens, settings, sampling=None, profile=False, rule="block"
+):
     """One generation; (tokens, round stats, decode seconds, time to first token). Decode time
     runs from the first token to the last, so a long prompt's prefill stays out of tok/s.
-    `profile` syncs after each phase of a round, for an exact split (and slower rounds)."""
+    `profile` syncs after each phase of a round, for an exact split (and slower rounds);
+    `rule`: how sampled drafts are accepted."""
     from ..engine.sampling import SamplingParams
     from ..engine.speculative import generate
 
@@ -30,6 +33,7 @@ def _run_once(target, drafter, prompt_ids, max_tokens, settings, sampling=None, 
         kv_mode=settings.kv_mode,
         eos_ids=set(),
         profile=profile,
+        accept_rule=rule,
     ):
         steps.append(step)
         if t_first is None:
@@ -129,7 +133,7 @@ def tau(args) -> list[dict]:
     max_tokens. Greedy speculative output is checked against plain greedy output."""
     from dataclasses import replace
 
-    from ..engine.sampling import SamplingParams
+    from ..engine.sampling import ACCEPT_RULES, SamplingParams
     from ..serving.inline import load_models
     from ..settings import engine_settings, model_flags
 
@@ -140,13 +144,17 @@ def tau(args) -> list[dict]:
     contexts = [int(c) for c in args.contexts.split(",")]
     blocks = [int(b) for b in args.block_sizes.split(",")]
     temps = [float(t) for t in args.temperatures.split(",") if float(t) > 0]
+    rules = args.accept_rules.split(",")
+    bad = [r for r in rules if r not in ACCEPT_RULES]
+    if bad:
+        raise ValueError(f"--accept-rules: {bad[0]!r} is not one of {', '.join(ACCEPT_RULES)}")
     prompts = context_prompts(target, contexts, args.num_prompts, args.seed)
     _run_once(target, drafter, prompts[contexts[0]][0], 8, settings)  # warm up
     rows = []
     for c in contexts:
         plain_n = plain_s = 0.0
         spec = {b: [0.0, 0.0, []] for b in blocks}  # tokens, seconds, rounds
-        sampled = {t: [] for t in temps}
+        sampled = {(t, r): [[], 0, 0.0] for t in temps for r in rules}  # rounds, tokens, s
         same = True
         for i, ids in enumerate(prompts[c]):
             p_tokens, _, p_s, _ = _run_once(target, None, ids, args.max_tokens, settings)
@@ -161,15 +169,20 @@ def tau(args) -> list[dict]:
                 same &= tokens == p_tokens
             for t in temps:
                 sp = SamplingParams(temperature=t, seed=args.seed * 1000 + i)
-                _, stats, _, _ = _run_once(
-                    target,
-                    drafter,
-                    ids,
-                    args.max_tokens,
-                    replace(settings, block_size=blocks[0]),
-                    sp,
-                )
-                sampled[t] += stats
+                for r in rules:  # the same seed: the rules see the same first draws
+                    tokens, stats, s_s, _ = _run_once(
+                        target,
+                        drafter,
+                        ids,
+                        args.max_tokens,
+                        replace(settings, block_size=blocks[0]),
+                        sp,
+                        rule=r,
+                    )
+                    acc = sampled[t, r]
+                    acc[0] += stats
+                    acc[1] += len(tokens) - 1
+                    acc[2] += s_s
         plain = plain_n / plain_s
         row = {
             "context": c,
@@ -183,7 +196,11 @@ def tau(args) -> list[dict]:
             row[f"speculative_tok_s_b{b}"] = round(n / secs, 2)
             row[f"ratio_b{b}"] = round(n / secs / plain, 3)
         for t in temps:
-            row[f"tau_t{t:g}_b{blocks[0]}"] = _tau(sampled[t])
+            for r in rules:  # the first rule's keys carry no suffix
+                suffix = "" if r == rules[0] else f"_{r}"
+                stats, n, secs = sampled[t, r]
+                row[f"tau_t{t:g}_b{blocks[0]}{suffix}"] = _tau(stats)
+                row[f"speculative_tok_s_t{t:g}_b{blocks[0]}{suffix}"] = round(n / secs, 2)
         row["greedy_outputs_identical"] = same
         rows.append(row)
     return rows

@@ -1,8 +1,14 @@
 """Sampling: logits processing (temperature, top-k, top-p) and the speculative acceptance rules.
 
-Pure functions over MLX arrays. The rejection rule keeps the target's distribution exactly:
-accept a draft d with probability min(1, p(d) / q(d)); on the first rejection sample from
-normalize(max(p - q, 0)); if every draft is accepted, sample the bonus token from p.
+Pure functions over MLX arrays. Both sampled rules keep the target's distribution exactly.
+- The token rule (`accept_sampled`): accept a draft d with probability min(1, p(d) / q(d)); on
+  the first rejection sample from normalize(max(p - q, 0)); if every draft is accepted, sample
+  the bonus token from p.
+- Block verification (`accept_block`; Sun et al., "Block Verification Accelerates Speculative
+  Decoding", ICLR 2025): the block is judged as a whole, so a draft the token rule would reject
+  can still stand when the drafts after it make up for it. It accepts at least as many drafts
+  as the token rule in expectation (the most that any lossless rule can, given only the two
+  models' conditionals along the block), for the same forward passes.
 """
 
 from __future__ import annotations
@@ -99,6 +105,58 @@ def accept_sampled(
     else:
         token = sample(target_probs[n][None], k_fix)[0]
     return accepted, int(token.item())
+
+
+ACCEPT_RULES = ("block", "token")
+
+
+def block_acceptance(
+    drafts: mx.array, draft_probs: mx.array, target_probs: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Block verification's quantities for drafts [n] with q [n, V] and p [n + 1, V]:
+    (h [n + 1], residual [n, V]). Keeping exactly i drafts is decided by independent uniforms:
+    the block keeps the largest i with u_i < h[i] (h[0] = 1: none kept is always possible);
+    then, for i < n, the next token comes from normalize(residual[i]); for i = n from p[n].
+
+    w_0 = 1 and w_i = min(w_{i-1} p_i(d_i) / q_i(d_i), 1) weigh the prefix of i drafts;
+    residual[i] = max(w_i p_{i+1} - q_{i+1}, 0) and, with its mass s_i, h[i] = s_i / (s_i + 1 -
+    w_i) for 0 < i < n and h[n] = w_n."""
+    n = drafts.shape[0]
+    rows = mx.arange(n)
+    log_ratio = mx.log(target_probs[rows, drafts]) - mx.log(draft_probs[rows, drafts])
+    # log w_i = min(log w_{i-1} + log ratio_i, 0) unrolls to S_i - max_{j <= i} S_j over the
+    # prefix sums S (S_0 = 0): a cumsum and a cummax instead of a loop; a p of 0 gives -inf
+    sums = mx.concatenate([mx.zeros((1,)), mx.cumsum(log_ratio)])
+    w = mx.exp(sums - mx.cummax(sums))  # [n + 1]
+    residual = mx.maximum(w[:n, None] * target_probs[:n] - draft_probs, 0.0)  # [n, V]
+    mass = residual.sum(axis=-1)
+    denom = mass + 1.0 - w[:n]
+    # 0 / 0 only when w_i = 1 and p = q there: nothing to correct, keep going
+    h = mx.where(denom > 0, mass / mx.maximum(denom, 1e-30), 1.0)
+    h = mx.concatenate([mx.ones((1,)), h[1:], w[n:]])
+    return h, residual
+
+
+def accept_block(
+    drafts: mx.array,  # [L-1]
+    draft_probs: mx.array,  # [L-1, V]: q, the distribution each draft was sampled from
+    target_probs: mx.array,  # [L, V]: p, processed target distribution per block row
+    key: mx.array,
+) -> tuple[int, int]:
+    """Block verification -> (accepted count, bonus/recovered token)."""
+    n = drafts.shape[0]
+    k_accept, k_fix = mx.random.split(key)
+    if n == 0:
+        return 0, int(sample(target_probs[:1], k_fix)[0].item())
+    h, residual = block_acceptance(drafts, draft_probs, target_probs)
+    u = mx.random.uniform(shape=(n,), key=k_accept)
+    accepted = int(mx.where(u < h[1:], mx.arange(1, n + 1), 0).max().item())
+    if accepted == n:
+        return n, int(sample(target_probs[n][None], k_fix)[0].item())
+    r = residual[accepted]
+    total = r.sum()
+    dist = mx.where(total > 0, r / mx.maximum(total, 1e-30), target_probs[accepted])
+    return accepted, int(sample(dist[None], k_fix)[0].item())
 
 
 def acceptance_length(accepted: int, rounds: int) -> float | None:

@@ -26,7 +26,9 @@ from . import cuda
 from .drafter import Drafter, DraftHead
 from .peer import MAX_PENDING_TAP_ROWS, DraftPeer, DraftUnavailable, LocalDraftPeer
 from .sampling import (
+    ACCEPT_RULES,
     SamplingParams,
+    accept_block,
     accept_greedy,
     accept_sampled,
     greedy_tokens,
@@ -142,6 +144,9 @@ class Decoder:
         # MIN_WIDTH), and grows back to block_size as they are accepted; its own history alone
         # decides, so a sequence drafts the same widths alone or in a batch
         self.adaptive = False
+        # sampled drafts: "block" verification (at least the token rule's acceptance) or the
+        # "token" rule (sampling.py); greedy drafts always by the argmax match
+        self.accept_rule = "block"
         if self.cfg is not None:
             self.mask_embed = target.embed_tokens(mx.array([self.cfg.mask_token_id]))  # [1, H]
 
@@ -391,10 +396,11 @@ class Decoder:
         return sample(q, key), q
 
     def _accept(self, drafts, q, logits, params, key) -> tuple[int, int]:
-        """(accepted drafts, bonus token) by the greedy or the rejection rule."""
+        """(accepted drafts, bonus token) by the greedy rule, or by `accept_rule`."""
         if params.greedy:
             return accept_greedy(drafts, logits)
-        return accept_sampled(drafts, q, probabilities(logits, params), key)
+        rule = accept_block if self.accept_rule == "block" else accept_sampled
+        return rule(drafts, q, probabilities(logits, params), key)
 
     def _speculative_round(self, seq: Sequence, key: mx.array) -> Step:
         k_draft, k_accept = mx.random.split(key)
@@ -463,16 +469,21 @@ def generate(
     eos_ids: set[int] | None = None,
     stop_check: StopCheck | None = None,
     profile: bool = False,
+    accept_rule: str = "block",
 ) -> Iterator[Step]:
     """Decode `prompt_ids` in this process (speculatively when a drafter is given); `profile`:
-    sync each phase of a round, for an exact round split."""
+    sync each phase of a round, for an exact round split; `accept_rule`: how sampled drafts
+    are accepted (sampling.ACCEPT_RULES)."""
     if not prompt_ids:
         raise ValueError("prompt is empty")
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    if accept_rule not in ACCEPT_RULES:
+        raise ValueError(f"accept_rule must be one of {ACCEPT_RULES}, got {accept_rule!r}")
     sampling = sampling or SamplingParams()
     decoder = Decoder(target, drafter, LocalDraftPeer(drafter) if drafter else None, block_size)
     decoder.profile = profile
+    decoder.accept_rule = accept_rule
     eos = set(target.tokenizer.eos_token_ids) if eos_ids is None else eos_ids
     seq = decoder.new_sequence("local", kv_mode, sampling, max_tokens, eos, stop_check)
     key = make_key(sampling.seed)

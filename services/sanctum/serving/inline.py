@@ -100,6 +100,7 @@ def make_verifier(
         settings.cache.ladder_bytes,
     )
     verifier.decoder.adaptive = bool(settings.adaptive_width)
+    verifier.decoder.accept_rule = settings.accept_rule
     return verifier
 
 
