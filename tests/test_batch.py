@@ -560,3 +560,80 @@ def test_steady_drafts_of_a_batch_run_as_one_compiled_stack_equal_to_alone(make_
     assert max(widths) == 3
     for i, (p, s) in enumerate(zip(prompts, params)):
         assert got[f"s{i}"] == solo(target, drafter, p, 24, sampling=s), f"sequence {i}"
+
+
+def test_speculation_gate_steps_plainly_below_its_threshold_and_tries_again(make_pair):
+    """The speculation gate: with a threshold no round reaches, a sequence drafts its warm-up
+    rounds, then a stretch of plain steps, then one round, then a stretch twice as long...;
+    greedy output is the plain decode's all along; at threshold 0 every step is a round."""
+    from sanctum.engine import speculative as spec
+
+    target, drafter = load_pair(make_pair, "hybrid", "dflash2")
+    ids = target.tokenizer.encode(PROMPTS[0])
+    plain = tokens_of(generate(target, ids, max_tokens=120))
+    widths = {}
+    for min_tau in (0.0, 99.0):
+        d = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
+        d.min_tau = min_tau
+        seq = d.new_sequence("g", max_tokens=120)
+        out = list(d.start(seq, d.prefill(seq, ids), make_key(0)).tokens)
+        bs = []
+        while seq.finished is None:
+            step = d.step(seq, make_key(len(out)))
+            out += step.tokens
+            bs.append(step.stats.bs)
+        assert out == plain
+        widths[min_tau] = bs
+    assert all(b > 1 for b in widths[0.0])
+    gated = widths[99.0]
+    w, p = spec.GATE_WARMUP, spec.GATE_PLAIN_STEPS
+    assert all(b > 1 for b in gated[:w]) and gated[w : w + p] == [1] * p
+    assert gated[w + p] > 1 and gated[w + p + 1 : w + 3 * p + 1] == [1] * (2 * p)
+    assert gated[w + 3 * p + 1] > 1
+
+
+def test_speculation_gate_in_a_batch_equals_alone(make_pair):
+    """Gated sequences of a shared round take the plain steps they take alone: seeded sampling
+    and greedy outputs equal to each served alone, with the gate tripping."""
+    target, drafter = load_pair(make_pair, "hybrid", "dflash2")
+
+    def decoder():
+        d = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
+        d.min_tau = d.min_tau_sampled = 3.5
+        return d
+
+    params = [
+        SamplingParams(temperature=1.0, seed=4),
+        SamplingParams(),
+        SamplingParams(0.7, seed=9),
+    ]
+    specs = [(f"s{i}", PROMPTS[i], 48, "fp16", (), p) for i, p in enumerate(params)]
+    tripped = []
+    d = decoder()
+    watch = d._watch
+    d._watch = lambda seq, step: (watch(seq, step), tripped.append(seq.plain_left > 0))
+    got, _ = run_batch(d, target, specs)
+    assert any(tripped)
+    for spec in specs:
+        alone, _ = run_batch(decoder(), target, [spec])
+        assert got[spec[0]] == alone[spec[0]], spec[0]
+
+
+def test_break_even_is_measured_and_the_gate_setting_checked(make_pair):
+    from sanctum.engine.speculative import measure_break_even
+    from sanctum.serving.inline import _min_tau
+    from sanctum.settings import serve_settings
+
+    target, drafter = load_pair(make_pair, "hybrid", "dflash2")
+    d = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
+    cost = measure_break_even(d)
+    assert 1.0 < cost < 20.0
+    assert _min_tau("auto", d) in [i / 4 for i in range(81)]
+    sampled = measure_break_even(d, SamplingParams(temperature=1.0, seed=0))
+    assert 1.0 < sampled < 20.0
+    assert _min_tau("2.75", d) == 2.75
+    assert measure_break_even(BatchDecoder(target)) == 0.0  # no drafter: nothing to gate
+    assert serve_settings(env={}).min_tau == "auto"
+    for bad in ("fast", "-1"):
+        with pytest.raises(ValueError, match="SANCTUM_MIN_TAU"):
+            serve_settings(env={"SANCTUM_MIN_TAU": bad})

@@ -376,11 +376,12 @@ def test_bench_tau_compares_the_acceptance_rules_in_one_run(pair):
     args = argparse.Namespace(model=pair[0], drafter=pair[1], block_size=None, bits=None,
                               kv_mode=None, contexts="0", block_sizes="4", temperatures="1.0",
                               num_prompts=2, max_tokens=12, seed=0,
-                              accept_rules="block,token")  # fmt: skip
+                              accept_rules="block,token", min_tau="auto")  # fmt: skip
     (row,) = tau(args)
     assert row["greedy_outputs_identical"]
-    for key in ("tau_t1_b4", "tau_t1_b4_token", "speculative_tok_s_t1_b4_token"):
+    for key in ("tau_t1_b4", "tau_t1_b4_token", "speculative_tok_s_t1_b4_token", "plain_tok_s_t1"):
         assert row[key] is not None and row[key] > 0, key
+    assert row["sampled_min_tau"] >= 1.0
     with pytest.raises(ValueError, match="--accept-rules"):
         tau(argparse.Namespace(**{**vars(args), "accept_rules": "block,nope"}))
 

@@ -271,6 +271,10 @@ class ServeSettings:
     adaptive_width: int = var("SANCTUM_ADAPTIVE_WIDTH", 0, int)
     # how sampled drafts are accepted: block verification or the token rule (engine/sampling.py)
     accept_rule: str = var("SANCTUM_ACCEPT_RULE", "block")
+    # the speculation gate (engine Decoder.min_tau): a sequence whose rounds commit fewer tokens
+    # than this on average takes plain steps for a while; "auto": what a round costs in plain
+    # steps, measured at load (rounded down to a half); 0: off
+    min_tau: str = var("SANCTUM_MIN_TAU", "auto")
     max_tokens_limit: int = 4096
     # prompt tokens prefilled before the other requests get their next round, fewer if they
     # would take longer than prefill_slice_ms (serving/scheduler.py)
@@ -340,6 +344,13 @@ def serve_settings(
         raise ValueError(f"transport must be auto, shm or object_store, got {s.transport!r}")
     from .engine.sampling import ACCEPT_RULES
 
+    if s.min_tau != "auto":
+        try:
+            ok = float(s.min_tau) >= 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"SANCTUM_MIN_TAU must be auto or a number >= 0, got {s.min_tau!r}")
     if s.accept_rule not in ACCEPT_RULES:
         raise ValueError(
             f"SANCTUM_ACCEPT_RULE must be one of {', '.join(ACCEPT_RULES)}, got {s.accept_rule!r}"

@@ -56,6 +56,12 @@ def register(sub) -> None:
         help="sampled drafts' acceptance, comma separated: block (verification), token (rule); "
         "each rule after the first adds keys ending in _<rule>",
     )
+    t.add_argument(
+        "--min-tau",
+        default="0",
+        help="the speculation gate for the sampled runs: a threshold, auto (measured, as "
+        "serving does) or 0 (off: pure speculation figures)",
+    )
     t.add_argument("--num-prompts", type=int, default=8, help="prompts per context length")
     t.add_argument("--max-tokens", type=int, default=96)
     t.add_argument("--seed", type=int, default=0)

@@ -12,7 +12,15 @@ if TYPE_CHECKING:
 
 
 def _run_once(
-    target, drafter, prompt_ids, max_tokens, settings, sampling=None, profile=False, rule="block"
+    target,
+    drafter,
+    prompt_ids,
+    max_tokens,
+    settings,
+    sampling=None,
+    profile=False,
+    rule="block",
+    min_tau=0.0,
 ):
     """One generation; (tokens, round stats, decode seconds, time to first token). Decode time
     runs from the first token to the last, so a long prompt's prefill stays out of tok/s.
@@ -34,6 +42,7 @@ def _run_once(
         eos_ids=set(),
         profile=profile,
         accept_rule=rule,
+        min_tau=min_tau,
     ):
         steps.append(step)
         if t_first is None:
@@ -150,11 +159,19 @@ def tau(args) -> list[dict]:
         raise ValueError(f"--accept-rules: {bad[0]!r} is not one of {', '.join(ACCEPT_RULES)}")
     prompts = context_prompts(target, contexts, args.num_prompts, args.seed)
     _run_once(target, drafter, prompts[contexts[0]][0], 8, settings)  # warm up
+    gate = 0.0
+    if args.min_tau != "0":
+        from ..engine.speculative import Decoder, LocalDraftPeer
+        from ..serving.inline import GATE_PROBES, _min_tau
+
+        probe = Decoder(target, drafter, LocalDraftPeer(drafter), blocks[0])
+        gate = _min_tau(args.min_tau, probe, GATE_PROBES[1])  # the sampled rounds' threshold
     rows = []
     for c in contexts:
         plain_n = plain_s = 0.0
         spec = {b: [0.0, 0.0, []] for b in blocks}  # tokens, seconds, rounds
         sampled = {(t, r): [[], 0, 0.0] for t in temps for r in rules}  # rounds, tokens, s
+        plain_sampled = {t: [0, 0.0] for t in temps}  # tokens, s
         same = True
         for i, ids in enumerate(prompts[c]):
             p_tokens, _, p_s, _ = _run_once(target, None, ids, args.max_tokens, settings)
@@ -169,6 +186,9 @@ def tau(args) -> list[dict]:
                 same &= tokens == p_tokens
             for t in temps:
                 sp = SamplingParams(temperature=t, seed=args.seed * 1000 + i)
+                tokens, _, s_s, _ = _run_once(target, None, ids, args.max_tokens, settings, sp)
+                plain_sampled[t][0] += len(tokens) - 1
+                plain_sampled[t][1] += s_s
                 for r in rules:  # the same seed: the rules see the same first draws
                     tokens, stats, s_s, _ = _run_once(
                         target,
@@ -178,6 +198,7 @@ def tau(args) -> list[dict]:
                         replace(settings, block_size=blocks[0]),
                         sp,
                         rule=r,
+                        min_tau=gate,
                     )
                     acc = sampled[t, r]
                     acc[0] += stats
@@ -196,11 +217,14 @@ def tau(args) -> list[dict]:
             row[f"speculative_tok_s_b{b}"] = round(n / secs, 2)
             row[f"ratio_b{b}"] = round(n / secs / plain, 3)
         for t in temps:
+            n, secs = plain_sampled[t]
+            row[f"plain_tok_s_t{t:g}"] = round(n / secs, 2)
             for r in rules:  # the first rule's keys carry no suffix
                 suffix = "" if r == rules[0] else f"_{r}"
                 stats, n, secs = sampled[t, r]
                 row[f"tau_t{t:g}_b{blocks[0]}{suffix}"] = _tau(stats)
                 row[f"speculative_tok_s_t{t:g}_b{blocks[0]}{suffix}"] = round(n / secs, 2)
+        row["sampled_min_tau"] = gate
         row["greedy_outputs_identical"] = same
         rows.append(row)
     return rows

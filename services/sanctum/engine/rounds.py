@@ -37,13 +37,18 @@ class BatchDecoder(Decoder):
         steps: dict[int, Step] = {}
         groups: dict[int, list[int]] = {}  # width -> indices of the sequences drafting it
         for i, seq in enumerate(seqs):
-            groups.setdefault(self.width(seq), []).append(i)
+            if self.gated(seq):  # the speculation gate: a plain step, as `step` would take
+                steps[i] = self._plain_step(seq, keys[i])
+            else:
+                groups.setdefault(self.width(seq), []).append(i)
         t0 = time.perf_counter()
         drafted = []  # (index, seq, drafts [width-1], q, accept key)
         for idx in groups.values():
             drafted += self._draft_group([seqs[i] for i in idx], [keys[i] for i in idx], idx, steps)
         if drafted:
             self._verify_all(drafted, time.perf_counter() - t0, steps)
+            for i, seq, *_ in drafted:
+                self._watch(seq, steps[i])
         return [steps[i] for i in range(len(seqs))]
 
     def _draft_group(self, seqs, keys, idx, steps: dict) -> list:

@@ -67,6 +67,14 @@ class Step:
 
 GREEDY = SamplingParams()
 MIN_WIDTH = 2  # the smallest block adaptive width drafts (an anchor and one draft)
+# The speculation gate (Decoder.min_tau): a sequence whose recent rounds commit fewer tokens than
+# a round costs in plain steps takes plain steps for a while, then tries rounds again. Lossless
+# either way (each step or round samples from the target's own conditionals), and decided by
+# the sequence's own history alone, so it gates the same alone or in a batch.
+GATE_WARMUP = 2  # rounds before a sequence's mean counts; after a plain stretch one round
+GATE_SMOOTHING = 0.3  # weight of the latest round in the running mean of tokens per round
+GATE_PLAIN_STEPS = 16  # the first stretch of plain steps; doubled at each trip that follows
+GATE_PLAIN_MAX = 256
 # (completion so far, new tokens) -> how many of the new tokens to keep, and whether to stop
 StopCheck = Callable[[list[int], list[int]], tuple[int, bool]]
 
@@ -92,6 +100,12 @@ class Sequence:
     prefetch: Prefetch | None = None  # the next block's draft, already asked of a pipelined peer
     ahead: Ahead | None = None  # the anchor's plain step, already queued on the device
     width: int | None = None  # the block it drafts now (adaptive width); None: the decoder's
+    # the speculation gate: running mean of tokens per round, rounds seen, plain steps left
+    # in the current stretch, stretches in a row
+    tau_mean: float | None = None
+    gate_rounds: int = 0
+    plain_left: int = 0
+    gate_trips: int = 0
 
     @property
     def pending_taps(self) -> list[mx.array]:
@@ -147,6 +161,11 @@ class Decoder:
         # sampled drafts: "block" verification (at least the token rule's acceptance) or the
         # "token" rule (sampling.py); greedy drafts always by the argmax match
         self.accept_rule = "block"
+        # the speculation gate's thresholds, greedy and sampled: tokens a round must commit, on
+        # average, to beat plain steps (what a round costs in plain steps here, sampled rounds
+        # costing more: `measure_break_even`); 0: off
+        self.min_tau = 0.0
+        self.min_tau_sampled = 0.0
         if self.cfg is not None:
             self.mask_embed = target.embed_tokens(mx.array([self.cfg.mask_token_id]))  # [1, H]
 
@@ -203,15 +222,45 @@ class Decoder:
         return step
 
     def step(self, seq: Sequence, key: mx.array) -> Step:
-        """One round: speculative when possible, else one plain token."""
-        if self.peer is not None and self.block_size > 1:
+        """One round: speculative when possible (and not gated), else one plain token."""
+        if self.peer is not None and self.block_size > 1 and not self.gated(seq):
             try:
-                return self._speculative_round(seq, key)
+                step = self._speculative_round(seq, key)
+                self._watch(seq, step)
+                return step
             except DraftUnavailable:
                 seq.draft_open = False  # the next round reopens it on a restarted drafter
         if self._runs_ahead(seq.sampling):
             return self._plain_step_ahead(seq)
         return self._plain_step(seq, key)
+
+    def gated(self, seq: Sequence) -> bool:
+        """True while the speculation gate has `seq` take plain steps (counts this one)."""
+        if seq.plain_left <= 0:
+            return False
+        seq.plain_left -= 1
+        return True
+
+    def _watch(self, seq: Sequence, step: Step) -> None:
+        """The speculation gate, after a round of `seq`: below the threshold's tokens a round
+        on average, a stretch of plain steps, longer at each trip in a row. A stretch ends in
+        one round, which updates the mean and so decides the next stretch."""
+        threshold = self.min_tau if seq.sampling.greedy else self.min_tau_sampled
+        if threshold <= 0 or step.stats is None or step.stats.bs <= 1:
+            return
+        x = step.stats.accepted + 1.0
+        mean = x if seq.tau_mean is None else seq.tau_mean + GATE_SMOOTHING * (x - seq.tau_mean)
+        seq.tau_mean, seq.gate_rounds = mean, seq.gate_rounds + 1
+        if seq.gate_rounds < GATE_WARMUP:
+            return
+        if mean >= threshold:
+            seq.gate_trips = 0
+            return
+        seq.plain_left = min(GATE_PLAIN_MAX, GATE_PLAIN_STEPS << seq.gate_trips)
+        seq.gate_trips += 1
+        if seq.prefetch is not None:  # a block drafted for the next round: not wanted now
+            self.peer.discard(seq.prefetch.handle)  # (its context rows stay with the drafter)
+            seq.prefetch = None
 
     def committed_state(self, seq: Sequence) -> tuple[int, list[tuple[mx.array, mx.array]]]:
         """(tokens, GDN states) of the committed cache, without a queued step undone."""
@@ -457,6 +506,33 @@ def make_key(seed: int | None) -> mx.array:
     return mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
 
 
+def measure_break_even(decoder: Decoder, sampling: SamplingParams = GREEDY, runs: int = 4) -> float:
+    """What one speculative round of `decoder` costs in plain steps here, both with `sampling`:
+    the tokens a round must commit, on average, to beat plain decoding. Timed on a probe
+    sequence (rounds, then plain steps, each run once untimed to warm up); 0.0 without a
+    drafter."""
+    if decoder.peer is None or decoder.block_size <= 1:
+        return 0.0
+    text = "def probe(values):\n    return [v * 2 for v in values if v]\n\n" * 3
+    seq = decoder.new_sequence("break-even-probe", sampling=sampling, max_tokens=1 << 30)
+    key = make_key(0)
+    try:
+        decoder.start(seq, decoder.prefill(seq, decoder.target.tokenizer.encode(text)), key)
+
+        def timed(one) -> float:
+            for _ in range(2):  # the first pass warms up (compiled graphs)
+                mx.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(runs):
+                    one(seq, key)
+                mx.synchronize()
+            return (time.perf_counter() - t0) / runs
+
+        return timed(decoder._speculative_round) / timed(decoder._plain_step)
+    finally:
+        decoder.close(seq)
+
+
 def generate(
     target: Target,
     prompt_ids: list[int],
@@ -470,10 +546,11 @@ def generate(
     stop_check: StopCheck | None = None,
     profile: bool = False,
     accept_rule: str = "block",
+    min_tau: float = 0.0,
 ) -> Iterator[Step]:
     """Decode `prompt_ids` in this process (speculatively when a drafter is given); `profile`:
     sync each phase of a round, for an exact round split; `accept_rule`: how sampled drafts
-    are accepted (sampling.ACCEPT_RULES)."""
+    are accepted (sampling.ACCEPT_RULES); `min_tau`: the speculation gate (0: off)."""
     if not prompt_ids:
         raise ValueError("prompt is empty")
     if max_tokens <= 0:
@@ -484,6 +561,7 @@ def generate(
     decoder = Decoder(target, drafter, LocalDraftPeer(drafter) if drafter else None, block_size)
     decoder.profile = profile
     decoder.accept_rule = accept_rule
+    decoder.min_tau = decoder.min_tau_sampled = min_tau
     eos = set(target.tokenizer.eos_token_ids) if eos_ids is None else eos_ids
     seq = decoder.new_sequence("local", kv_mode, sampling, max_tokens, eos, stop_check)
     key = make_key(sampling.seed)
