@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from helpers import NO_GATE
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -64,7 +65,7 @@ def backend(pair, tmp_path_factory):
     from sanctum.settings import serve_settings
 
     settings = serve_settings(pair[0], pair[1], max_active=2, max_queue=2,
-                              cache_dir=str(tmp_path_factory.mktemp("cache")), env={})  # fmt: skip
+                              cache_dir=str(tmp_path_factory.mktemp("cache")), env=NO_GATE)  # fmt: skip
     b = InlineBackend(settings)
     b.ready(120)
     yield b

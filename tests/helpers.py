@@ -9,6 +9,10 @@ import time
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "class Stack:", "The quick brown fox",
            "for i in range(10):", "# a comment", "x = [1, 2, 3]", "while True:"]  # fmt: skip
 
+# serving settings' environment for tests of speculation's mechanics: the speculation gate off
+# (the tiny random pairs accept too little, so it would turn most of their rounds into plain steps)
+NO_GATE = {"SANCTUM_MIN_TAU": "0"}
+
 
 def wait_for(predicate, timeout=30.0, interval=0.05):
     """Poll `predicate` until it is true or `timeout` passes; an exception while polling counts

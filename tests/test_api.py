@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 ray = pytest.importorskip("ray")
 
-from helpers import PROMPTS, wait_for
+from helpers import NO_GATE, PROMPTS, wait_for
 from sanctum.api.client import Client, make_request
 from sanctum.api.server import Server
 from sanctum.serving.inline import InlineBackend, RoundDelay
@@ -63,7 +63,7 @@ def server(pair, tmp_path_factory):
 
     init_local_ray(num_cpus=2, log_to_driver=False, namespace=f"test-api-{os.getpid()}")
     settings = serve_settings(pair[0], pair[1], cache_dir=str(tmp_path_factory.mktemp("cache")),
-                              max_active=8, max_queue=8, env={})  # fmt: skip
+                              max_active=8, max_queue=8, env=NO_GATE)  # fmt: skip
     backend = start_cluster(settings)
     srv = Server(backend, "127.0.0.1", 0, max_message_bytes=4 << 20, max_streams=32)
     try:
@@ -300,7 +300,9 @@ def test_cli_generate_server_json_matches_local(server, pair, capsys):
 
 
 def test_queue_full_and_message_limit(pair, tmp_path):
-    settings = serve_settings(pair[0], pair[1], cache_dir="none", max_active=1, max_queue=1, env={})
+    settings = serve_settings(
+        pair[0], pair[1], cache_dir="none", max_active=1, max_queue=1, env=NO_GATE
+    )
     backend = InlineBackend(settings, RoundDelay(0.02))  # slow rounds: the busy ones stay busy
     srv = Server(backend, "127.0.0.1", 0, max_message_bytes=64 << 10, max_streams=8)
     try:

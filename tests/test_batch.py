@@ -8,6 +8,7 @@ import itertools
 
 import mlx.core as mx
 import pytest
+from helpers import NO_GATE
 from mlx_lm.models.cache import QuantizedKVCache
 from sanctum.engine import rounds
 from sanctum.engine.batch import _SPLIT_ATTENTION, _attention_batch, verify_batch
@@ -329,7 +330,7 @@ def test_scheduler_batches_concurrent_requests_each_as_served_alone(make_pair):
     from sanctum.settings import serve_settings
 
     target_dir, drafter_dir = (str(p) for p in make_pair("hybrid", "dflash2"))
-    settings = serve_settings(target_dir, drafter_dir, cache_dir="none", max_batch=4, env={})
+    settings = serve_settings(target_dir, drafter_dir, cache_dir="none", max_batch=4, env=NO_GATE)
     backend = InlineBackend(settings, RoundDelay(0.02))
     warm = GenerateRequest(prompt=PROMPTS[2], max_tokens=6)
     requests = [

@@ -17,8 +17,8 @@ import time
 
 import mlx.core as mx
 import pytest
+from helpers import NO_GATE, wait_for
 from helpers import PROMPTS as ALL_PROMPTS
-from helpers import wait_for
 from sanctum.cluster.transport import Slot
 from sanctum.wire.gen import roles_pb2 as roles
 
@@ -169,7 +169,7 @@ def test_event_socket_streams_requests_and_cancels_orphans(pair, engine):
 
     _, _, reference = engine
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none",
-                                           env={}), RoundDelay(0.02))  # fmt: skip
+                                           env=NO_GATE), RoundDelay(0.02))  # fmt: skip
     server = None
     try:
         backend.ready(60)
@@ -244,7 +244,7 @@ def cluster(pair, tmp_path_factory):
 
     init_local_ray(num_cpus=2, log_to_driver=False, namespace=f"test-cluster-{os.getpid()}")
     settings = serve_settings(
-        pair[0], pair[1], cache_dir=str(tmp_path_factory.mktemp("store")), env={}
+        pair[0], pair[1], cache_dir=str(tmp_path_factory.mktemp("store")), env=NO_GATE
     )
     backend = start_cluster(settings)
     server = Server(backend, "127.0.0.1", 0, max_streams=16)

@@ -16,7 +16,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import wait_for
+from helpers import NO_GATE, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from sanctum.api.client import Client
 from sanctum.api.server import Server
@@ -385,7 +385,7 @@ def test_tls_serves_https_with_the_grpc_certificates(serve, backend, tmp_path):
 
     paths = _certificates(tmp_path)
     net = server_settings(tls_cert=paths["server.crt"], tls_key=paths["server.key"],
-                          tls_client_ca=paths["ca.crt"], env={})  # fmt: skip
+                          tls_client_ca=paths["ca.crt"], env=NO_GATE)  # fmt: skip
     srv = Server(backend, "127.0.0.1", 0, access=Access.from_files(None, net.tls_cert, net.tls_key))
     try:
         srv.ready(60)

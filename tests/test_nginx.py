@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from helpers import NO_GATE
 from sanctum.api.client import Client, make_request
 from sanctum.api.server import Server
 from sanctum.serving.inline import InlineBackend, RoundDelay
@@ -61,7 +62,7 @@ def upstream(make_pair, tmp_path_factory):
 
     pair = make_pair("hybrid", "dflash")
     backend = InlineBackend(serve_settings(str(pair[0]), str(pair[1]), cache_dir="none",
-                                           max_active=2, env={}), RoundDelay(0.01))  # fmt: skip
+                                           max_active=2, env=NO_GATE), RoundDelay(0.01))  # fmt: skip
     srv = Server(backend, "127.0.0.1", 0, max_streams=8, access=Access(token=TOKEN))
     srv.ready(120)
     srv.start_http(0)

@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 import pytest
+from helpers import NO_GATE, wait_for
 from helpers import PROMPTS as ALL_PROMPTS
-from helpers import wait_for
 
 PROMPTS = ALL_PROMPTS[:4]
 
@@ -25,7 +25,7 @@ def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
     # 20 ms per round: greedy runs of the tiny pair hit EOS after 46-850 tokens, and the
     # "long" requests below must still be running when the queue is checked
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
-                                           max_queue=1, env={}), RoundDelay(0.02))  # fmt: skip
+                                           max_queue=1, env=NO_GATE), RoundDelay(0.02))  # fmt: skip
     try:
         backend.ready(60)
         sched = backend.scheduler
@@ -82,7 +82,7 @@ def test_queue_full_message_counts_what_stats_count(pair):
     from sanctum.settings import serve_settings
 
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
-                                           max_queue=1, env={}), RoundDelay(0.02))  # fmt: skip
+                                           max_queue=1, env=NO_GATE), RoundDelay(0.02))  # fmt: skip
     try:
         backend.ready(60)
         sched = backend.scheduler
@@ -112,7 +112,7 @@ def test_long_prompt_prefills_in_slices_between_rounds(pair, engine):
 
     _, _, reference = engine
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
-                                           env={}))  # fmt: skip
+                                           env=NO_GATE))  # fmt: skip
     try:
         backend.ready(60)
         sched, verifier = backend.scheduler, backend.scheduler.verifier
@@ -174,7 +174,7 @@ def test_no_request_stalls_the_others(pair, engine):
     from sanctum.settings import serve_settings
 
     backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=4,
-                                           env={}), RoundDelay(0.005))  # fmt: skip
+                                           env=NO_GATE), RoundDelay(0.005))  # fmt: skip
     try:
         backend.ready(60)
         sched = backend.scheduler
@@ -215,5 +215,28 @@ def test_no_request_stalls_the_others(pair, engine):
         reader.join(60)
         gaps = np.diff([t0, *arrivals])
         assert len(arrivals) > 5 and gaps.max() < 1.0, gaps.max()
+    finally:
+        backend.close()
+
+
+def test_served_requests_are_gated_by_a_threshold_measured_at_load(pair, engine):
+    """By default (`SANCTUM_MIN_TAU=auto`) the serving decoder measures what a round costs in
+    plain steps, greedy and sampled, and gates on it: a greedy request of the tiny pair (which
+    accepts little) then takes plain steps too, and its output is still the engine's."""
+    from sanctum.serving.inline import InlineBackend
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.settings import serve_settings
+
+    _, _, reference = engine
+    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", env={}))
+    try:
+        backend.ready(120)
+        d = backend.verifier.decoder
+        assert d.min_tau >= 1.0 and d.min_tau_sampled >= 1.0
+        d.min_tau = 99.0  # no round reaches it: the gate must trip
+        req = GenerateRequest(prompt=ALL_PROMPTS[0], max_tokens=60, use_cache=False)
+        chunks = list(backend.submit(req))
+        assert [t for c in chunks for t in c.token_ids] == reference(ALL_PROMPTS[0], 60)
+        assert any(c.drafted == 0 for c in chunks[1:]) and any(c.drafted for c in chunks[1:])
     finally:
         backend.close()
