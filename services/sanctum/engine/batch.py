@@ -34,12 +34,15 @@ def verify_batch(
     caches: list[list],
     tap_ids: tuple[int, ...],
     widths: list[int] | None = None,  # each block's real rows; None: all L
+    taped: bool = True,
 ) -> tuple[list[tuple[mx.array, mx.array, VerifyTape]], BatchTape]:
     """Run N draft blocks on their N caches in one forward; returns per sequence what
     `Target.verify` returns for its block alone, and the pass's BatchTape (to roll all N back
     together: `Target.rollback_batch`). The target is causal, so rows padded after a block's
     `widths[n]` real rows leave those rows' results as they are; its tape's rollback
-    (keep <= widths[n]) discards the padded rows' KV and states."""
+    (keep <= widths[n]) discards the padded rows' KV and states. `taped=False`: rows that
+    stay (plain steps of several sequences, [N, 1]): the GDN layers run as `Target.forward`
+    runs them, keep no tape, and the tapes returned are None."""
     N, L = blocks.shape
     widths = widths or [L] * N
     starts = [cache_offset(c) for c in caches]
@@ -52,7 +55,7 @@ def verify_batch(
         x = layer.input_layernorm(h)
         layer_caches = [c[i] for c in caches]
         if target.is_gdn[i]:
-            r = _gdn_batch(layer.linear_attn, x, layer_caches, gdn_tapes)
+            r = _gdn_batch(layer.linear_attn, x, layer_caches, gdn_tapes if taped else None)
         else:
             if target.dequantize_q8:
                 layer_caches = [
@@ -67,14 +70,14 @@ def verify_batch(
     logits = target.lm_head(target.norm(h))  # [N, L, V]
     taps = mx.concatenate([wanted[i] for i in tap_ids], axis=-1) if tap_ids else None
     tapes = [
-        VerifyTape(starts[n], w, [layer.entries[n] for layer in gdn_tapes])
+        VerifyTape(starts[n], w, [layer.entries[n] for layer in gdn_tapes]) if taped else None
         for n, w in enumerate(widths)
     ]
     outs = [
         (logits[n, :w], taps[n, :w] if taps is not None else None, tape)
         for n, (w, tape) in enumerate(zip(widths, tapes))
     ]
-    return outs, BatchTape(tapes, gdn_tapes)
+    return outs, BatchTape(tapes, gdn_tapes) if taped else None
 
 
 def _attention_batch(attn, x: mx.array, masks: list, caches: list) -> mx.array:
@@ -140,19 +143,20 @@ _SPLIT_ATTENTION = {
 }
 
 
-def _gdn_batch(mod, x: mx.array, caches: list, tapes: list[GDNBatchTape]) -> mx.array:
-    """`gdn.gdn_forward` with a tape, over N sequences whose batch-1 states are stacked; appends
-    the layer's GDNBatchTape."""
+def _gdn_batch(mod, x: mx.array, caches: list, tapes: list[GDNBatchTape] | None) -> mx.array:
+    """`gdn.gdn_forward` over N sequences whose batch-1 states are stacked; with `tapes`,
+    taped, appending the layer's GDNBatchTape."""
     N, S, _ = x.shape
     convs, states = zip(*(cache_states(mod, c, 1, x.dtype) for c in caches))
     state_in = mx.concatenate(states, axis=0)  # [N, Hv, Dv, Dk]
     conv_state = mx.concatenate(convs, axis=0)  # [N, K-1, conv_dim]
-    out, conv_input, state, extra = _math_for(mod, True, S)(x, conv_state, state_in)
+    out, conv_input, state, extra = _math_for(mod, tapes is not None, S)(x, conv_state, state_in)
     for n, c in enumerate(caches):
         c[0] = conv_input[n : n + 1, -(mod.conv_kernel_size - 1) :, :]
         c[1] = state[n : n + 1]
         c.advance(S)
-    tapes.append(batch_tape_entry(mod, caches, conv_input, state_in, S, extra))
+    if tapes is not None:
+        tapes.append(batch_tape_entry(mod, caches, conv_input, state_in, S, extra))
     return out
 
 

@@ -36,11 +36,13 @@ class BatchDecoder(Decoder):
             return [self.step(seq, key) for seq, key in zip(seqs, keys)]
         steps: dict[int, Step] = {}
         groups: dict[int, list[int]] = {}  # width -> indices of the sequences drafting it
+        plain = []  # indices of the sequences the speculation gate has step plainly
         for i, seq in enumerate(seqs):
-            if self.gated(seq):  # the speculation gate: a plain step, as `step` would take
-                steps[i] = self._plain_step(seq, keys[i])
+            if self.gated(seq):
+                plain.append(i)
             else:
                 groups.setdefault(self.width(seq), []).append(i)
+        self._plain_steps(seqs, keys, plain, steps)
         t0 = time.perf_counter()
         drafted = []  # (index, seq, drafts [width-1], q, accept key)
         for idx in groups.values():
@@ -50,6 +52,26 @@ class BatchDecoder(Decoder):
             for i, seq, *_ in drafted:
                 self._watch(seq, steps[i])
         return [steps[i] for i in range(len(seqs))]
+
+    def _plain_steps(self, seqs, keys, idx: list[int], steps: dict) -> None:
+        """The plain steps of the gated sequences `idx`, in one target forward ([N, 1]; one
+        sequence: `_plain_step`): each samples its token with its own key, as `step` does."""
+        if len(idx) == 1:
+            steps[idx[0]] = self._plain_step(seqs[idx[0]], keys[idx[0]])
+        if len(idx) < 2:
+            return
+        t0 = time.perf_counter()
+        group = [seqs[i] for i in idx]
+        anchors = mx.array([[seq.anchor] for seq in group])
+        caches = [seq.cache for seq in group]
+        outs, _ = verify_batch(self.target, anchors, caches, self.tap_ids, taped=False)
+        for i, seq, (logits, taps, _) in zip(idx, group, outs):
+            token = self._sample_one(logits, seq.sampling, keys[i])
+            seq.cached_tokens.append(seq.anchor)
+            if taps is not None:
+                seq.taps.add(taps)
+            steps[i] = self._commit(seq, [token], seq.stop_check, RoundStats(1, 0, 0))
+            steps[i].stats.verify_s = (time.perf_counter() - t0) / len(idx)
 
     def _draft_group(self, seqs, keys, idx, steps: dict) -> list:
         """Draft the blocks of one width group in one drafter forward; a sequence that cannot
