@@ -66,12 +66,8 @@ class BatchDecoder(Decoder):
         caches = [seq.cache for seq in group]
         outs, _ = verify_batch(self.target, anchors, caches, self.tap_ids, taped=False)
         for i, seq, (logits, taps, _) in zip(idx, group, outs):
-            token = self._sample_one(logits, seq.sampling, keys[i])
-            seq.cached_tokens.append(seq.anchor)
-            if taps is not None:
-                seq.taps.add(taps)
-            steps[i] = self._commit(seq, [token], seq.stop_check, RoundStats(1, 0, 0))
-            steps[i].stats.verify_s = (time.perf_counter() - t0) / len(idx)
+            steps[i] = self._settle_plain(seq, logits, taps, keys[i], t0)
+            steps[i].stats.verify_s /= len(idx)  # the shared forward's time, split
 
     def _draft_group(self, seqs, keys, idx, steps: dict) -> list:
         """Draft the blocks of one width group in one drafter forward; a sequence that cannot

@@ -315,6 +315,11 @@ class Decoder:
     def _plain_step(self, seq: Sequence, key: mx.array) -> Step:
         t0 = time.perf_counter()
         logits, taps = self.target.forward(mx.array([seq.anchor]), seq.cache, self.tap_ids)
+        return self._settle_plain(seq, logits, taps, key, t0)
+
+    def _settle_plain(self, seq: Sequence, logits, taps, key: mx.array, t0: float) -> Step:
+        """A plain step after its forward (the anchor's logits and taps, started at `t0`):
+        sample, keep the taps for the drafter, commit."""
         token = self._sample_one(logits, seq.sampling, key)
         seq.cached_tokens.append(seq.anchor)
         if taps is not None:
