@@ -96,15 +96,20 @@ def accept_sampled(
     u = mx.random.uniform(shape=(n,), key=k_accept)
     ok = (u * q_d < p_d).astype(mx.int32)
     accepted = int(mx.cumprod(ok).sum().item()) if n else 0
+    residual = None
     if accepted < n:
         residual = mx.maximum(target_probs[accepted] - draft_probs[accepted], 0.0)
+    return accepted, _next_token(residual, target_probs[accepted], k_fix)
+
+
+def _next_token(residual: mx.array | None, p: mx.array, key: mx.array) -> int:
+    """The token after the accepted drafts: from normalize(`residual`) [V] after a rejection,
+    else (every draft accepted: the bonus) from `p`, the target's distribution there; also
+    from `p` where the residual has no mass (p == q exactly: nothing to correct)."""
+    if residual is not None:
         total = residual.sum()
-        # p == q exactly leaves no residual mass; p itself is then the right distribution
-        residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), target_probs[accepted])
-        token = sample(residual[None], k_fix)[0]
-    else:
-        token = sample(target_probs[n][None], k_fix)[0]
-    return accepted, int(token.item())
+        p = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p)
+    return int(sample(p[None], key)[0].item())
 
 
 ACCEPT_RULES = ("block", "token")
@@ -147,16 +152,12 @@ def accept_block(
     n = drafts.shape[0]
     k_accept, k_fix = mx.random.split(key)
     if n == 0:
-        return 0, int(sample(target_probs[:1], k_fix)[0].item())
+        return 0, _next_token(None, target_probs[0], k_fix)
     h, residual = block_acceptance(drafts, draft_probs, target_probs)
     u = mx.random.uniform(shape=(n,), key=k_accept)
     accepted = int(mx.where(u < h[1:], mx.arange(1, n + 1), 0).max().item())
-    if accepted == n:
-        return n, int(sample(target_probs[n][None], k_fix)[0].item())
-    r = residual[accepted]
-    total = r.sum()
-    dist = mx.where(total > 0, r / mx.maximum(total, 1e-30), target_probs[accepted])
-    return accepted, int(sample(dist[None], k_fix)[0].item())
+    rest = residual[accepted] if accepted < n else None
+    return accepted, _next_token(rest, target_probs[accepted], k_fix)
 
 
 def acceptance_length(accepted: int, rounds: int) -> float | None:
