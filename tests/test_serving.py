@@ -238,5 +238,12 @@ def test_served_requests_are_gated_by_a_threshold_measured_at_load(pair, engine)
         chunks = list(backend.submit(req))
         assert [t for c in chunks for t in c.token_ids] == reference(ALL_PROMPTS[0], 60)
         assert any(c.drafted == 0 for c in chunks[1:]) and any(c.drafted for c in chunks[1:])
+        stats = backend.stats()  # and the gate shows: its thresholds, the steps it took
+        assert stats.min_tau == 99.0 and stats.min_tau_sampled == d.min_tau_sampled
+        gated = sum(1 for c in chunks[1:] if c.drafted == 0)
+        assert stats.gated_steps == gated
+        text = backend.metrics.render().decode()
+        assert f"sanctum_gated_steps_total {float(gated)}" in text
+        assert 'sanctum_gate_min_tau{kind="greedy"} 99.0' in text
     finally:
         backend.close()

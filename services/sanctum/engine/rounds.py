@@ -57,7 +57,7 @@ class BatchDecoder(Decoder):
         """The plain steps of the gated sequences `idx`, in one target forward ([N, 1]; one
         sequence: `_plain_step`): each samples its token with its own key, as `step` does."""
         if len(idx) == 1:
-            steps[idx[0]] = self._plain_step(seqs[idx[0]], keys[idx[0]])
+            steps[idx[0]] = self._plain_step(seqs[idx[0]], keys[idx[0]], gated=True)
         if len(idx) < 2:
             return
         t0 = time.perf_counter()
@@ -66,7 +66,7 @@ class BatchDecoder(Decoder):
         caches = [seq.cache for seq in group]
         outs, _ = verify_batch(self.target, anchors, caches, self.tap_ids, taped=False)
         for i, seq, (logits, taps, _) in zip(idx, group, outs):
-            steps[i] = self._settle_plain(seq, logits, taps, keys[i], t0)
+            steps[i] = self._settle_plain(seq, logits, taps, keys[i], t0, gated=True)
             steps[i].stats.verify_s /= len(idx)  # the shared forward's time, split
 
     def _draft_group(self, seqs, keys, idx, steps: dict) -> list:

@@ -50,6 +50,7 @@ class RoundStats:
     verify_s: float = 0.0
     rollback_s: float = 0.0
     other_s: float = 0.0
+    gated: bool = False  # a plain step the speculation gate took instead of a round
 
     def line(self, completion_tokens: int) -> str:
         return (
@@ -223,7 +224,9 @@ class Decoder:
 
     def step(self, seq: Sequence, key: mx.array) -> Step:
         """One round: speculative when possible (and not gated), else one plain token."""
-        if self.peer is not None and self.block_size > 1 and not self.gated(seq):
+        if self.peer is not None and self.block_size > 1:
+            if self.gated(seq):
+                return self._plain_step(seq, key, gated=True)
             try:
                 step = self._speculative_round(seq, key)
                 self._watch(seq, step)
@@ -312,20 +315,23 @@ class Decoder:
             stats.committed = len(kept)
         return Step(kept, stats, reason)
 
-    def _plain_step(self, seq: Sequence, key: mx.array) -> Step:
+    def _plain_step(self, seq: Sequence, key: mx.array, gated: bool = False) -> Step:
         t0 = time.perf_counter()
         logits, taps = self.target.forward(mx.array([seq.anchor]), seq.cache, self.tap_ids)
-        return self._settle_plain(seq, logits, taps, key, t0)
+        return self._settle_plain(seq, logits, taps, key, t0, gated)
 
-    def _settle_plain(self, seq: Sequence, logits, taps, key: mx.array, t0: float) -> Step:
+    def _settle_plain(
+        self, seq: Sequence, logits, taps, key: mx.array, t0: float, gated: bool = False
+    ) -> Step:
         """A plain step after its forward (the anchor's logits and taps, started at `t0`):
-        sample, keep the taps for the drafter, commit."""
+        sample, keep the taps for the drafter, commit. `gated`: taken by the speculation gate."""
         token = self._sample_one(logits, seq.sampling, key)
         seq.cached_tokens.append(seq.anchor)
         if taps is not None:
             seq.taps.add(taps)
         t1 = time.perf_counter()
-        step = self._commit(seq, [token], seq.stop_check, RoundStats(1, 0, 0))
+        stats = RoundStats(1, 0, 0, gated=gated)
+        step = self._commit(seq, [token], seq.stop_check, stats)
         step.stats.verify_s, step.stats.other_s = t1 - t0, time.perf_counter() - t1
         return step
 

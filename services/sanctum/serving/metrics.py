@@ -184,10 +184,23 @@ class _BackendState:
                 s.cache.hits / s.cache.lookups if s.cache.lookups else 0.0,
             ),
         }
+        gate = GaugeMetricFamily(
+            "sanctum_gate_min_tau",
+            "The speculation gate's threshold by request kind: tokens a round must commit on "
+            "average, else plain steps for a while (0: off)",
+            labels=["kind"],
+        )
+        gate.add_metric(["greedy"], s.min_tau)
+        gate.add_metric(["sampled"], s.min_tau_sampled)
+        yield gate
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
             "sanctum_rounds": ("Speculative or plain decoding rounds", s.rounds),
+            "sanctum_gated_steps": (
+                "Plain steps the speculation gate took instead of speculative rounds",
+                s.gated_steps,
+            ),
             "sanctum_cache_lookups": ("Prompt-cache lookups", s.cache.lookups),
             "sanctum_cache_hits": ("Prompt-cache lookups that found a prefix", s.cache.hits),
             "sanctum_cache_evictions": ("Prompt-cache entries evicted", s.cache.evictions),

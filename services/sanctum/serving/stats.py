@@ -80,6 +80,10 @@ class Stats:
     drafter_compute_ms_per_round: float = 0.0
     drafter_wait_ms_per_round: float = 0.0
     overlapped_draft_calls: int = 0
+    # the speculation gate: its thresholds (greedy, sampled; 0: off), plain steps it took
+    min_tau: float = 0.0
+    min_tau_sampled: float = 0.0
+    gated_steps: int = 0
     cache: CacheStats = field(default_factory=CacheStats)
 
 
@@ -119,6 +123,9 @@ def serving_stats(mode: str, settings: ServeSettings, verifier, sched: dict, pee
         transport="inline" if peer is None else peer.kind,
         **{f"round_{k}_ms": 1000.0 * m.round_s[k] / rounds for k in m.round_s},
         **channel,
+        min_tau=verifier.decoder.min_tau,
+        min_tau_sampled=verifier.decoder.min_tau_sampled,
+        gated_steps=m.gated_steps,
     )
 
 

@@ -129,12 +129,14 @@ class Metrics:
     rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    gated_steps: int = 0  # plain steps the speculation gate took instead of rounds
     round_s: dict = field(
         default_factory=lambda: {"draft": 0.0, "verify": 0.0, "rollback": 0.0, "other": 0.0}
     )  # seconds spent in each phase of a round, summed over rounds
 
     def add_round(self, s) -> None:
         self.rounds += 1
+        self.gated_steps += s.gated
         for phase in self.round_s:
             self.round_s[phase] += getattr(s, f"{phase}_s")
 

@@ -175,7 +175,7 @@ class CacheStats(_message.Message):
     def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., available: _Optional[bool] = ..., directory: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., taps_bytes: _Optional[int] = ..., rung_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., superseded: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("model", "drafter", "block_size", "kv", "mode", "active", "waiting", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "rounds", "drafted_tokens", "accepted_tokens", "cancelled", "rejected", "drafter_available", "transport", "cache", "draft_calls", "transport_ms_per_round", "transport_bytes_per_round", "drafter_compute_ms_per_round", "round_draft_ms", "round_verify_ms", "round_rollback_ms", "round_other_ms", "drafter_wait_ms_per_round", "overlapped_draft_calls")
+    __slots__ = ("model", "drafter", "block_size", "kv", "mode", "active", "waiting", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "rounds", "drafted_tokens", "accepted_tokens", "cancelled", "rejected", "drafter_available", "transport", "cache", "draft_calls", "transport_ms_per_round", "transport_bytes_per_round", "drafter_compute_ms_per_round", "round_draft_ms", "round_verify_ms", "round_rollback_ms", "round_other_ms", "drafter_wait_ms_per_round", "overlapped_draft_calls", "min_tau", "min_tau_sampled", "gated_steps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,9 @@ class StatsResponse(_message.Message):
     ROUND_OTHER_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_WAIT_MS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     OVERLAPPED_DRAFT_CALLS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TAU_FIELD_NUMBER: _ClassVar[int]
+    MIN_TAU_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    GATED_STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     drafter: str
     block_size: int
@@ -234,7 +237,10 @@ class StatsResponse(_message.Message):
     round_other_ms: float
     drafter_wait_ms_per_round: float
     overlapped_draft_calls: int
-    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ..., kv: _Optional[str] = ..., mode: _Optional[str] = ..., active: _Optional[int] = ..., waiting: _Optional[int] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., cancelled: _Optional[int] = ..., rejected: _Optional[int] = ..., drafter_available: _Optional[bool] = ..., transport: _Optional[str] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., draft_calls: _Optional[int] = ..., transport_ms_per_round: _Optional[float] = ..., transport_bytes_per_round: _Optional[float] = ..., drafter_compute_ms_per_round: _Optional[float] = ..., round_draft_ms: _Optional[float] = ..., round_verify_ms: _Optional[float] = ..., round_rollback_ms: _Optional[float] = ..., round_other_ms: _Optional[float] = ..., drafter_wait_ms_per_round: _Optional[float] = ..., overlapped_draft_calls: _Optional[int] = ...) -> None: ...
+    min_tau: float
+    min_tau_sampled: float
+    gated_steps: int
+    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ..., kv: _Optional[str] = ..., mode: _Optional[str] = ..., active: _Optional[int] = ..., waiting: _Optional[int] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., cancelled: _Optional[int] = ..., rejected: _Optional[int] = ..., drafter_available: _Optional[bool] = ..., transport: _Optional[str] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., draft_calls: _Optional[int] = ..., transport_ms_per_round: _Optional[float] = ..., transport_bytes_per_round: _Optional[float] = ..., drafter_compute_ms_per_round: _Optional[float] = ..., round_draft_ms: _Optional[float] = ..., round_verify_ms: _Optional[float] = ..., round_rollback_ms: _Optional[float] = ..., round_other_ms: _Optional[float] = ..., drafter_wait_ms_per_round: _Optional[float] = ..., overlapped_draft_calls: _Optional[int] = ..., min_tau: _Optional[float] = ..., min_tau_sampled: _Optional[float] = ..., gated_steps: _Optional[int] = ...) -> None: ...
 
 class ListCacheRequest(_message.Message):
     __slots__ = ("model_key",)
