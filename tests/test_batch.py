@@ -627,18 +627,17 @@ def test_speculation_gate_in_a_batch_equals_alone(make_pair):
 
 
 def test_break_even_is_measured_and_the_gate_setting_checked(make_pair):
-    from sanctum.engine.speculative import measure_break_even
-    from sanctum.serving.inline import _min_tau
+    from sanctum.engine.speculative import gate_threshold, measure_break_even
     from sanctum.settings import serve_settings
 
     target, drafter = load_pair(make_pair, "hybrid", "dflash2")
     d = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
     cost = measure_break_even(d)
     assert 1.0 < cost < 20.0
-    assert _min_tau("auto", d) in [i / 4 for i in range(81)]
+    assert gate_threshold("auto", d) in [i / 4 for i in range(81)]
     sampled = measure_break_even(d, SamplingParams(temperature=1.0, seed=0))
     assert 1.0 < sampled < 20.0
-    assert _min_tau("2.75", d) == 2.75
+    assert gate_threshold("2.75", d) == 2.75
     assert measure_break_even(BatchDecoder(target)) == 0.0  # no drafter: nothing to gate
     assert serve_settings(env={}).min_tau == "auto"
     for bad in ("fast", "-1"):

@@ -25,7 +25,7 @@ def _run_once(
     """One generation; (tokens, round stats, decode seconds, time to first token). Decode time
     runs from the first token to the last, so a long prompt's prefill stays out of tok/s.
     `profile` syncs after each phase of a round, for an exact split (and slower rounds);
-    `rule`: how sampled drafts are accepted."""
+    `rule`: how sampled drafts are accepted; `min_tau`: the speculation gate (0: off)."""
     from ..engine.sampling import SamplingParams
     from ..engine.speculative import generate
 
@@ -161,11 +161,10 @@ def tau(args) -> list[dict]:
     _run_once(target, drafter, prompts[contexts[0]][0], 8, settings)  # warm up
     gate = 0.0
     if args.min_tau != "0":
-        from ..engine.speculative import Decoder, LocalDraftPeer
-        from ..serving.inline import GATE_PROBES, _min_tau
+        from ..engine.speculative import GATE_PROBES, Decoder, LocalDraftPeer, gate_threshold
 
         probe = Decoder(target, drafter, LocalDraftPeer(drafter), blocks[0])
-        gate = _min_tau(args.min_tau, probe, GATE_PROBES[1])  # the sampled rounds' threshold
+        gate = gate_threshold(args.min_tau, probe, GATE_PROBES[1])  # the sampled rounds' one
     rows = []
     for c in contexts:
         plain_n = plain_s = 0.0

@@ -56,9 +56,9 @@ class BatchDecoder(Decoder):
     def _plain_steps(self, seqs, keys, idx: list[int], steps: dict) -> None:
         """The plain steps of the gated sequences `idx`, in one target forward ([N, 1]; one
         sequence: `_plain_step`): each samples its token with its own key, as `step` does."""
-        if len(idx) == 1:
-            steps[idx[0]] = self._plain_step(seqs[idx[0]], keys[idx[0]], gated=True)
-        if len(idx) < 2:
+        if len(idx) <= 1:
+            for i in idx:
+                steps[i] = self._plain_step(seqs[i], keys[i], gated=True)
             return
         t0 = time.perf_counter()
         group = [seqs[i] for i in idx]

@@ -15,6 +15,8 @@ this module does not know which.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -37,6 +39,8 @@ from .sampling import (
 )
 from .taps import TapLog
 from .target import Target, VerifyTape, cache_offset
+
+log = logging.getLogger("sanctum.engine")
 
 
 @dataclass
@@ -542,6 +546,30 @@ def measure_break_even(decoder: Decoder, sampling: SamplingParams = GREEDY, runs
         return timed(decoder._speculative_round) / timed(decoder._plain_step)
     finally:
         decoder.close(seq)
+
+
+# the speculation gate's probes: greedy rounds, and sampled ones (which also compute p and q)
+GATE_PROBES = (GREEDY, SamplingParams(temperature=1.0, seed=0))
+
+
+def gate_threshold(setting: str, decoder: Decoder, sampling: SamplingParams = GREEDY) -> float:
+    """The speculation gate's threshold for `sampling`'s kind of request (SANCTUM_MIN_TAU): a
+    number as set, or ("auto") a round's cost in plain steps measured now, rounded down to a
+    quarter (a margin, and mostly the same value run to run); 0.0 when the drafter does not
+    answer the probe (one still loading elsewhere: no gate rather than a wait)."""
+    if setting != "auto":
+        return float(setting)
+    try:
+        cost = measure_break_even(decoder, sampling)
+    except DraftUnavailable:
+        log.warning("speculation gate off: the drafter did not answer the break-even probe")
+        return 0.0
+    gate = math.floor(cost * 4) / 4
+    if cost:
+        kind = "greedy" if sampling.greedy else "sampled"
+        log.info("a %s speculative round costs %.2f plain steps: below tau %.2f, plain steps",
+                 kind, cost, gate)  # fmt: skip
+    return gate
 
 
 def generate(

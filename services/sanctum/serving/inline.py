@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..engine.sampling import SamplingParams
 from ..settings import EngineSettings, ServeSettings
 from .metrics import Metrics
 from .requests import Chunk, GenerateRequest
@@ -79,7 +78,7 @@ def make_verifier(
 ) -> Verifier:
     """Load the target and wrap it in the verifier role. Without `remote_peer` the whole
     drafter is loaded here (inline); with it, only the drafter head (the body is remote)."""
-    from ..engine.speculative import LocalDraftPeer
+    from ..engine.speculative import GATE_PROBES, LocalDraftPeer, gate_threshold
     from .verifier import Verifier
 
     e = settings.engine
@@ -103,36 +102,8 @@ def make_verifier(
     verifier.decoder.adaptive = bool(settings.adaptive_width)
     verifier.decoder.accept_rule = settings.accept_rule
     d = verifier.decoder
-    d.min_tau, d.min_tau_sampled = (_min_tau(settings.min_tau, d, s) for s in GATE_PROBES)
+    d.min_tau, d.min_tau_sampled = (gate_threshold(settings.min_tau, d, s) for s in GATE_PROBES)
     return verifier
-
-
-# the speculation gate's probes: greedy rounds, and sampled ones (which also compute p and q)
-GATE_PROBES = (SamplingParams(), SamplingParams(temperature=1.0, seed=0))
-
-
-def _min_tau(setting: str, decoder, sampling: SamplingParams = GATE_PROBES[0]) -> float:
-    """The speculation gate's threshold for `sampling`'s kind of request: a number as set, or
-    ("auto") the round's cost in plain steps measured now, rounded down to a quarter (a margin,
-    and mostly the same value run to run)."""
-    import math
-
-    from ..engine.peer import DraftUnavailable
-    from ..engine.speculative import measure_break_even
-
-    if setting != "auto":
-        return float(setting)
-    try:
-        cost = measure_break_even(decoder, sampling)
-    except DraftUnavailable:  # a drafter still loading elsewhere: no gate rather than a wait
-        log.warning("speculation gate off: the drafter did not answer the break-even probe")
-        return 0.0
-    gate = math.floor(cost * 4) / 4
-    if cost:
-        kind = "greedy" if sampling.greedy else "sampled"
-        log.info("a %s speculative round costs %.2f plain steps: below tau %.2f, plain steps",
-                 kind, cost, gate)  # fmt: skip
-    return gate
 
 
 class InlineBackend:
