@@ -38,7 +38,7 @@ class BatchDecoder(Decoder):
         groups: dict[int, list[int]] = {}  # width -> indices of the sequences drafting it
         plain = []  # indices of the sequences the speculation gate has step plainly
         for i, seq in enumerate(seqs):
-            if self.gated(seq):
+            if self.take_gated_step(seq):
                 plain.append(i)
             else:
                 groups.setdefault(self.width(seq), []).append(i)

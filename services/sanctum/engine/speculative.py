@@ -229,7 +229,7 @@ class Decoder:
     def step(self, seq: Sequence, key: mx.array) -> Step:
         """One round: speculative when possible (and not gated), else one plain token."""
         if self.peer is not None and self.block_size > 1:
-            if self.gated(seq):
+            if self.take_gated_step(seq):
                 return self._plain_step(seq, key, gated=True)
             try:
                 step = self._speculative_round(seq, key)
@@ -241,8 +241,9 @@ class Decoder:
             return self._plain_step_ahead(seq)
         return self._plain_step(seq, key)
 
-    def gated(self, seq: Sequence) -> bool:
-        """True while the speculation gate has `seq` take plain steps (counts this one)."""
+    def take_gated_step(self, seq: Sequence) -> bool:
+        """True (and one step of the stretch used up) while the speculation gate has `seq`
+        take plain steps."""
         if seq.plain_left <= 0:
             return False
         seq.plain_left -= 1
