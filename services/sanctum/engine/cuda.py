@@ -150,7 +150,7 @@ def prepare_linear(model) -> None:
     if os.environ.get("SANCTUM_QMM_KERNEL", "auto") == "off":
         _qmm["verdict"] = "off (SANCTUM_QMM_KERNEL=off)"
         return
-    source = hashlib.sha1(qmm_cuda.SOURCE.encode()).hexdigest()[:12]
+    source = hashlib.sha1((qmm_cuda.HEADER + qmm_cuda.SOURCE).encode()).hexdigest()[:12]
     result = _child_verdict(f"mlx {mx.__version__} qmm {source}", ["sanctum.engine.qmm_cuda"])
     _qmm["verdict"] = result or "ok"
     if result is not None:

@@ -6,16 +6,20 @@ layers run one after the other (measured in place at the seed's shapes: the 64 M
 take 22.4 ms at 8 rows against 8.5 ms at one), so an 8-row verify paid for its rows in every
 projection although a few rows should cost what one does (the weights are read once).
 
-The kernel reads each weight once for all rows: a warp per four output features, each lane
-eight packed values of each at a time, the rows' inputs staged in shared memory a tile at a time; per group
-of 64 it adds scale * sum(x * q) and bias * sum(x) (MLX's affine 4-bit layout: w = scale * q +
-bias). bfloat16 activations, scales and biases (read as their bits), float32 sums, the output
-rounded to bfloat16 as `astype` rounds. One-row calls (decode) keep MLX's own kernel, so plain
-decoding stays bit for bit mlx-lm's.
+How: the tensor cores' bf16 mma (m16n8k16, float32 sums), the x rows as its n (8 rows a tile,
+two tiles up to 16 rows, absent rows zero). A thread block owns 16 output features; its warps
+split K in 128-wide tiles and add their sums at the end. Each lane reads 16 bytes of packed
+weights per feature row and tile (32 values of one group), turns them into bf16 as
+scale * q + bias (one rounding, MLX's affine 4-bit layout), and reads the 32 x values it pairs
+them with as they lie in memory (bf16 already: the mma takes them as is); the next tile's loads
+are issued before the current tile's mmas. The output is rounded to bfloat16 as `astype`
+rounds. One-row calls (decode) keep MLX's own kernel, so plain decoding stays bit for bit
+mlx-lm's.
 
 Contract: `small_qmm(x [M, K], w, scales, biases)` == `mx.quantized_matmul(x, w, scales,
 biases, transpose=True, group_size=64, bits=4)` within bfloat16 rounding, for 2 <= M <= 16,
-K % 512 == 0, N % 32 == 0. Used only after `check` agreed on this GPU at load (engine/cuda.py).
+K % 128 == 0, N % 16 == 0. Used only after `check` agreed on this GPU at load and it was faster
+than MLX's there (engine/cuda.py).
 """
 
 from __future__ import annotations
@@ -28,118 +32,152 @@ import mlx.core as mx
 import mlx.nn as nn
 
 MAX_ROWS = 16
-TILE = 512  # K values staged per pass
-WARPS = 8  # warps per thread block
-BLOCK_FEATURES = 32  # output features per thread block, at most (8 warps x 4)
+WARPS = 8  # warps per thread block, splitting K
+FEATURES = 16  # output features per thread block (the mma's m)
 
+HEADER = """
+// A tile's operands in registers: the two feature rows' 32 packed values (one uint4 each),
+// their group's scale and bias as bf16 pairs, and 32 x values of each row tile (4 uint4).
+template <int NT>
+struct SanctumTile {
+  uint4 qa, qb;
+  uint32_t sa, sb, ba, bb;
+  uint4 x[NT][4];
+};
 
-def features_per_warp(rows: int) -> int:
-    """Four output features a warp up to 8 rows; two above (registers: 4 x 16 sums spill)."""
-    return 4 if rows <= 8 else 2
+__device__ __forceinline__ uint32_t sanctum_pair(uint16_t v) {
+  return (uint32_t)v | ((uint32_t)v << 16);
+}
 
+template <int M, int K, int NT>
+__device__ __forceinline__ void sanctum_load_tile(
+    SanctumTile<NT>& q, int k, int g, const uint4* wa, const uint4* wb, const uint16_t* sa,
+    const uint16_t* sb, const uint16_t* ba, const uint16_t* bb, const uint16_t* x) {
+  q.qa = wa[k / 32];
+  q.qb = wb[k / 32];
+  q.sa = sanctum_pair(sa[k / 64]);
+  q.sb = sanctum_pair(sb[k / 64]);
+  q.ba = sanctum_pair(ba[k / 64]);
+  q.bb = sanctum_pair(bb[k / 64]);
+  #pragma unroll
+  for (int h = 0; h < NT; ++h) {
+    const int m = g + 8 * h;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      q.x[h][i] = m < M ? reinterpret_cast<const uint4*>(x + (size_t)m * K + k)[i]
+                        : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// Two packed 4-bit values (bits 0-3 and 16-19 of u >> shift) as the bf16 pair scale * q + bias:
+// 0x4300 | q is the bfloat16 128 + q, so q itself comes out exactly, then one rounding.
+__device__ __forceinline__ uint32_t sanctum_dequant(uint32_t u, int shift, uint32_t s, uint32_t b) {
+  const uint32_t v = ((u >> shift) & 0x000F000Fu) | 0x43004300u;
+  uint32_t q, r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(q) : "r"(v), "r"(0x3F803F80u), "r"(0xC300C300u));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(q), "r"(s), "r"(b));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t sanctum_word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// The 8 mmas (m16n8k16) of a 128-wide tile. k is permuted (a sum does not care): mma
+// 2 * i + half takes, from word i of a lane's 32 values, nibbles r, r + 4 (A's and B's first
+// register) and r + 1, r + 5 (their second), r = 2 * half; x is paired the same way by prmt.
+template <int NT>
+__device__ __forceinline__ void sanctum_mma_tile(const SanctumTile<NT>& q, float (&c)[NT][4]) {
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t ua = sanctum_word(q.qa, i);
+    const uint32_t ub = sanctum_word(q.qb, i);
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = 2 * half;
+      const uint32_t a0 = sanctum_dequant(ua, 4 * r, q.sa, q.ba);
+      const uint32_t a1 = sanctum_dequant(ub, 4 * r, q.sb, q.bb);
+      const uint32_t a2 = sanctum_dequant(ua, 4 * r + 4, q.sa, q.ba);
+      const uint32_t a3 = sanctum_dequant(ub, 4 * r + 4, q.sb, q.bb);
+      #pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        const uint32_t lo = sanctum_word(q.x[h][i], half);      // x_r, x_r+1
+        const uint32_t hi = sanctum_word(q.x[h][i], half + 2);  // x_r+4, x_r+5
+        const uint32_t b0 = __byte_perm(lo, hi, 0x5410);  // (x_r, x_r+4)
+        const uint32_t b1 = __byte_perm(lo, hi, 0x7632);  // (x_r+1, x_r+5)
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(c[h][0]), "+f"(c[h][1]), "+f"(c[h][2]), "+f"(c[h][3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      }
+    }
+  }
+}
+"""
 
 SOURCE = """
-    constexpr int TILE = 512;
-    constexpr int WARPS = 8;
-    constexpr int STEPS = TILE / 256;
-    __shared__ float xs[M][TILE];
-    __shared__ float sx[M][TILE / 64];
+    // One thread block per 16 output features; its warps split K in 128-wide tiles and
+    // add their partial sums at the end. A lane (g = lane / 4, t = lane % 4) holds features
+    // n0 + g and n0 + g + 8 and the x row g (+ 8 h): 32 consecutive k of each per tile.
+    constexpr int TILES = K / 128;
+    constexpr int NT = (M + 7) / 8;  // 8-row tiles of x (the mma's n)
     const int lane = threadIdx.x;
     const int warp = threadIdx.y;
-    const int tid = warp * 32 + lane;
-    const int n0 = (blockIdx.y * WARPS + warp) * F;
-    float acc[F][M];
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int n0 = blockIdx.y * 16;
+    const uint4* wa = reinterpret_cast<const uint4*>(w + (size_t)(n0 + g) * (K / 8));
+    const uint4* wb = reinterpret_cast<const uint4*>(w + (size_t)(n0 + g + 8) * (K / 8));
+    const uint16_t* sa = scales + (size_t)(n0 + g) * (K / 64);
+    const uint16_t* sb = scales + (size_t)(n0 + g + 8) * (K / 64);
+    const uint16_t* ba = biases + (size_t)(n0 + g) * (K / 64);
+    const uint16_t* bb = biases + (size_t)(n0 + g + 8) * (K / 64);
+    float c[NT][4];
     #pragma unroll
-    for (int f = 0; f < F; ++f) {
+    for (int h = 0; h < NT; ++h) {
+      c[h][0] = c[h][1] = c[h][2] = c[h][3] = 0.0f;
+    }
+    SanctumTile<NT> cur, nxt;
+    int tile = warp;
+    if (tile < TILES) {
+      sanctum_load_tile<M, K, NT>(cur, tile * 128 + 32 * t, g, wa, wb, sa, sb, ba, bb, x);
+    }
+    for (; tile < TILES; tile += WARPS) {
+      if (tile + WARPS < TILES) {
+        sanctum_load_tile<M, K, NT>(
+            nxt, (tile + WARPS) * 128 + 32 * t, g, wa, wb, sa, sb, ba, bb, x);
+      }
+      sanctum_mma_tile<NT>(cur, c);
+      cur = nxt;
+    }
+    __shared__ float red[WARPS][NT * 4][32];
+    #pragma unroll
+    for (int h = 0; h < NT; ++h) {
       #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        acc[f][m] = 0.0f;
+      for (int j = 0; j < 4; ++j) {
+        red[warp][h * 4 + j][lane] = c[h][j];
       }
     }
-    for (int k0 = 0; k0 < K; k0 += TILE) {
-      __syncthreads();
-      for (int i = tid; i < M * TILE; i += WARPS * 32) {
-        const int m = i / TILE;
-        const int kk = i - m * TILE;
-        xs[m][kk] = __uint_as_float(((uint32_t)x[(size_t)m * K + k0 + kk]) << 16);
-      }
-      __syncthreads();
-      for (int i = tid; i < M * (TILE / 64); i += WARPS * 32) {
-        const int m = i / (TILE / 64);
-        const int g = i - m * (TILE / 64);
-        float s = 0.0f;
-        for (int j = 0; j < 64; ++j) {
-          s += xs[m][g * 64 + j];
-        }
-        sx[m][g] = s;
-      }
-      __syncthreads();
-      if (lane < TILE / 64) {
-        #pragma unroll
-        for (int f = 0; f < F; ++f) {
-          const uint16_t b16 = biases[(size_t)(n0 + f) * (K / 64) + k0 / 64 + lane];
-          const float bias = __uint_as_float(((uint32_t)b16) << 16);
-          #pragma unroll
-          for (int m = 0; m < M; ++m) {
-            acc[f][m] += bias * sx[m][lane];
-          }
-        }
-      }
-      uint32_t packed[F][STEPS];
-      float scale[F][STEPS];
+    __syncthreads();
+    if (warp == 0) {
       #pragma unroll
-      for (int f = 0; f < F; ++f) {
+      for (int h = 0; h < NT; ++h) {
         #pragma unroll
-        for (int step = 0; step < STEPS; ++step) {
-          const int k = k0 + step * 256 + lane * 8;
-          packed[f][step] = w[(size_t)(n0 + f) * (K / 8) + k / 8];
-          const uint16_t s16 = scales[(size_t)(n0 + f) * (K / 64) + k / 64];
-          scale[f][step] = __uint_as_float(((uint32_t)s16) << 16);
-        }
-      }
-      #pragma unroll
-      for (int step = 0; step < STEPS; ++step) {
-        const int kk = step * 256 + lane * 8;
-        float q[F][8];
-        #pragma unroll
-        for (int f = 0; f < F; ++f) {
+        for (int j = 0; j < 4; ++j) {
+          float v = 0.0f;
           #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            q[f][j] = (float)((packed[f][step] >> (4 * j)) & 0xFu);
+          for (int i = 0; i < WARPS; ++i) {
+            v += red[i][h * 4 + j][lane];
           }
-        }
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          float xv[8];
-          #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            xv[j] = xs[m][kk + j];
+          const int m = 8 * h + 2 * t + (j & 1);  // the mma's C: row g (+8), columns 2t, 2t + 1
+          const int n = n0 + g + 8 * (j >> 1);
+          if (m < M) {
+            uint32_t u = __float_as_uint(v);
+            u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even, as astype does
+            y[(size_t)m * N + n] = (uint16_t)(u >> 16);
           }
-          #pragma unroll
-          for (int f = 0; f < F; ++f) {
-            float d = 0.0f;
-            #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              d += xv[j] * q[f][j];
-            }
-            acc[f][m] += scale[f][step] * d;
-          }
-        }
-      }
-    }
-    #pragma unroll
-    for (int f = 0; f < F; ++f) {
-      #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        float v = acc[f][m];
-        #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-          v += __shfl_xor_sync(0xffffffff, v, off);
-        }
-        if (lane == 0) {
-          uint32_t u = __float_as_uint(v);
-          u += 0x7FFFu + ((u >> 16) & 1u);
-          y[(size_t)m * N + n0 + f] = (uint16_t)(u >> 16);
         }
       }
     }
@@ -159,9 +197,9 @@ def supported(module: nn.Module) -> bool:
         and getattr(module, "mode", "affine") == "affine"
         and "biases" in module
         and scales.dtype == mx.bfloat16
-        and K % TILE == 0
-        and N % BLOCK_FEATURES == 0
-        and N // BLOCK_FEATURES < 65536
+        and K % 128 == 0
+        and N % FEATURES == 0
+        and N // FEATURES < 65536
     )
 
 
@@ -180,6 +218,7 @@ def small_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> m
             input_names=["x", "w", "scales", "biases"],
             output_names=["y"],
             source=SOURCE,
+            header=HEADER,
         )
     M, K = x.shape
     N = w.shape[0]
@@ -190,8 +229,8 @@ def small_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> m
             mx.view(scales, mx.uint16),
             mx.view(biases, mx.uint16),
         ],
-        template=[("M", M), ("K", K), ("N", N), ("F", features_per_warp(M))],
-        grid=(32, N // features_per_warp(M), 1),
+        template=[("M", M), ("K", K), ("N", N), ("WARPS", WARPS)],
+        grid=(32, WARPS * (N // FEATURES), 1),
         threadgroup=(32, WARPS, 1),
         output_shapes=[(M, N)],
         output_dtypes=[mx.uint16],
