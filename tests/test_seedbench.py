@@ -98,3 +98,28 @@ def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
                 "projected speed-up at tau 5", "default pair b16 q8"):  # fmt: skip
         assert row in summary
     assert json.loads((tmp_path / "out" / "seed.json").read_text())["shape"].startswith("L2-")
+
+
+def test_first_divergence_tells_a_near_tie_from_a_clear_margin(make_pair, monkeypatch):
+    """bench cuda's end-to-end check lets speculative part from plain only at a near-tie: the
+    margin it reports is the two tokens' logit gap in a fresh forward over the plain run's
+    tokens, and a token far below the argmax is no tie."""
+    import mlx.core as mx
+    from sanctum.bench import cuda as bench_cuda
+    from sanctum.engine.target import load_target
+
+    target_dir, _ = make_pair("hybrid", "dflash")
+    target = load_target(target_dir)
+    ids = target.tokenizer.encode("def add(a, b):")
+    logits, _ = target.forward(mx.array(ids), target.make_cache())
+    order = mx.argsort(-logits[-1]).tolist()
+    best, second, worst = order[0], order[1], order[-1]
+    row = logits[-1]
+    far = bench_cuda.first_divergence(target, ids, [best, 5], [worst, 5], "fp16")
+    assert far["at"] == 0 and not far["near_tie"]
+    assert far["margin"] == pytest.approx((row[best] - row[worst]).item(), rel=1e-4, abs=2e-6)
+    monkeypatch.setattr(bench_cuda, "NEAR_TIE", 2.0)  # a gap of at most twice the largest |logit|
+    close = bench_cuda.first_divergence(target, ids, [best], [second], "fp16")
+    assert close["near_tie"] and close["margin"] == pytest.approx(
+        (row[best] - row[second]).item(), rel=1e-4, abs=2e-6
+    )
