@@ -105,7 +105,7 @@ def test_first_divergence_tells_a_near_tie_from_a_clear_margin(make_pair, monkey
     margin it reports is the two tokens' logit gap in a fresh forward over the plain run's
     tokens, and a token far below the argmax is no tie."""
     import mlx.core as mx
-    from sanctum.bench import cuda as bench_cuda
+    from sanctum.bench import decode as bench_decode
     from sanctum.engine.target import load_target
 
     target_dir, _ = make_pair("hybrid", "dflash")
@@ -115,11 +115,22 @@ def test_first_divergence_tells_a_near_tie_from_a_clear_margin(make_pair, monkey
     order = mx.argsort(-logits[-1]).tolist()
     best, second, worst = order[0], order[1], order[-1]
     row = logits[-1]
-    far = bench_cuda.first_divergence(target, ids, [best, 5], [worst, 5], "fp16")
+    far = bench_decode.first_divergence(target, ids, [best, 5], [worst, 5], "fp16")
     assert far["at"] == 0 and not far["near_tie"]
     assert far["margin"] == pytest.approx((row[best] - row[worst]).item(), rel=1e-4, abs=2e-6)
-    monkeypatch.setattr(bench_cuda, "NEAR_TIE", 2.0)  # a gap of at most twice the largest |logit|
-    close = bench_cuda.first_divergence(target, ids, [best], [second], "fp16")
+    monkeypatch.setattr(bench_decode, "NEAR_TIE", 2.0)  # a gap of at most twice the largest |logit|
+    close = bench_decode.first_divergence(target, ids, [best], [second], "fp16")
     assert close["near_tie"] and close["margin"] == pytest.approx(
         (row[best] - row[second]).item(), rel=1e-4, abs=2e-6
     )
+
+
+def test_bench_speculative_reports_the_split_and_no_divergence_on_the_cpu(make_pair):
+    """bench speculative on a tiny pair: the figures, the round split, greedy speculative ==
+    plain (the CPU computes a verify row as a decode step does), so no divergence to report."""
+    target_dir, drafter_dir = make_pair("hybrid", "dflash")
+    r = sanctum("bench", "speculative", "--model", str(target_dir), "--drafter", str(drafter_dir),
+                "--max-tokens", "24", "--repeats", "1", "--json")  # fmt: skip
+    assert r["plain_tok_s"] > 0 and r["speculative_tok_s"] > 0 and r["tau"] >= 1
+    assert set(r["round_ms"]) == {"draft", "verify", "rollback", "other"}
+    assert r["greedy_outputs_identical"] is True and r["first_divergence"] is None

@@ -23,6 +23,7 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
 
 from ..engine import cuda, gdn, gdn_cuda, qmm_cuda
+from .decode import first_divergence
 
 SHAPES = {"seed": (16, 48, 128, 128), "default": (4, 8, 64, 64), "tiny": (2, 4, 32, 32)}
 
@@ -139,26 +140,6 @@ def _end_to_end(tmp: Path) -> dict:
         if spec != plain:  # a bug, or rounding at a near-tie? the margin there says which
             out[f"first_divergence_{kv}"] = first_divergence(target, ids, plain, spec, kv)
     return out
-
-
-# A divergence counts as a near-tie when the two tokens' logits, from one fresh forward over the
-# plain run's tokens, are this close relative to the largest logit. A verify row and a decode
-# step take different kernels on a GPU (and float32 products may run as TF32 there), so the
-# logits differ in their last bits and a near-tie can flip; a bug in the rollback or the caches
-# shows as a clear margin.
-NEAR_TIE = 2e-3
-
-
-def first_divergence(target, ids: list[int], plain: list[int], spec: list[int], kv: str) -> dict:
-    """Where `spec` first leaves `plain`, and the margin between the two tokens there."""
-    i = next((j for j, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
-    if i is None:  # one is a prefix of the other
-        return {"at": min(len(plain), len(spec)), "margin": None, "near_tie": False}
-    logits, _ = target.forward(mx.array(ids + plain[:i]), target.make_cache(kv))
-    row = logits[-1].astype(mx.float32)
-    margin = abs((row[plain[i]] - row[spec[i]]).item())
-    scale = mx.abs(row).max().item()
-    return {"at": i, "margin": round(margin, 6), "near_tie": margin <= NEAR_TIE * scale}
 
 
 def run(args) -> dict:

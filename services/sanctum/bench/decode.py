@@ -60,6 +60,27 @@ def _tau(rounds: list[RoundStats]) -> float:
     return round(acceptance_length(sum(spec), len(spec)) or 0.0, 3)
 
 
+# A divergence counts as a near-tie when the two tokens' logits, from one fresh forward over the
+# plain run's tokens, are this close relative to the largest logit. A verify row and a decode
+# step take different kernels on a GPU, so the logits differ in their last bits and a near-tie
+# can flip; a bug in the rollback or the caches shows as a clear margin.
+NEAR_TIE = 2e-3
+
+
+def first_divergence(target, ids: list[int], plain: list[int], spec: list[int], kv: str) -> dict:
+    """Where `spec` first leaves `plain`, and the margin between the two tokens there."""
+    import mlx.core as mx
+
+    i = next((j for j, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
+    if i is None:  # one is a prefix of the other
+        return {"at": min(len(plain), len(spec)), "margin": None, "near_tie": False}
+    logits, _ = target.forward(mx.array(ids + plain[:i]), target.make_cache(kv))
+    row = logits[-1].astype(mx.float32)
+    margin = abs((row[plain[i]] - row[spec[i]]).item())
+    scale = mx.abs(row).max().item()
+    return {"at": i, "margin": round(margin, 6), "near_tie": margin <= NEAR_TIE * scale}
+
+
 def speculative(args) -> dict:
     """Plain vs speculative greedy decode of the same prompt; EOS ignored so lengths match."""
     from ..serving.inline import load_models
@@ -72,7 +93,7 @@ def speculative(args) -> dict:
     prompt_ids = target.tokenizer.encode(args.prompt, add_special_tokens=False)
     _run_once(target, None, prompt_ids, 8, settings)  # warm up compiled kernels
     _run_once(target, drafter, prompt_ids, 8, settings)
-    plain_t, spec_t, spec_rounds, same = [], [], [], True
+    plain_t, spec_t, spec_rounds, same, divergence = [], [], [], True, None
     for _ in range(args.repeats):
         p_tokens, _, p_elapsed, _ = _run_once(target, None, prompt_ids, args.max_tokens, settings)
         s_tokens, rounds, s_elapsed, _ = _run_once(
@@ -80,6 +101,8 @@ def speculative(args) -> dict:
         )
         plain_t.append((len(p_tokens) - 1) / p_elapsed)
         spec_t.append((len(s_tokens) - 1) / s_elapsed)
+        if same and p_tokens != s_tokens:  # where, and is it a near-tie?
+            divergence = first_divergence(target, prompt_ids, p_tokens, s_tokens, settings.kv_mode)
         same &= p_tokens == s_tokens
     # the split from a run that syncs after each phase (the timed runs sync once a round)
     _, rounds, _, _ = _run_once(
@@ -104,6 +127,7 @@ def speculative(args) -> dict:
         "tau": _tau(spec_rounds),
         "round_ms": split,
         "greedy_outputs_identical": same,
+        "first_divergence": divergence,  # None when identical
     }
 
 
