@@ -134,3 +134,15 @@ def test_bench_speculative_reports_the_split_and_no_divergence_on_the_cpu(make_p
     assert r["plain_tok_s"] > 0 and r["speculative_tok_s"] > 0 and r["tau"] >= 1
     assert set(r["round_ms"]) == {"draft", "verify", "rollback", "other"}
     assert r["greedy_outputs_identical"] is True and r["first_divergence"] is None
+
+
+def test_qmm_timings_cover_every_shape_and_row_count():
+    """bench cuda's few-row matmul table (run on the GPU): per shape, MLX's one-row call and,
+    per row count, both kernels' ms per dependent call and the error; here with MLX's own
+    matmul as the kernel, at a small shape."""
+    from sanctum.bench.cuda import qmm_timings
+    from sanctum.engine import qmm_cuda
+
+    t = qmm_timings(qmm_cuda.reference, {"small": (256, 512)}, rows=(2, 8), chain=False)
+    assert set(t) == {"small"} and set(t["small"]) == {"mlx_1_row", 2, 8}
+    assert t["small"][8]["rel_err"] == 0.0 and t["small"][8]["kernel"] > 0

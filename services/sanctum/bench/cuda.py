@@ -28,28 +28,55 @@ from .decode import first_divergence
 SHAPES = {"seed": (16, 48, 128, 128), "default": (4, 8, 64, 64), "tiny": (2, 4, 32, 32)}
 
 
-def _qmm_timings(kernel) -> dict:
-    """ms per call of the few-row 4-bit kernel and MLX's quantized matmul at the seed's MLP
-    shape (5120 -> 17408), by row count."""
-    from .seedphases import per_call_ms
+# The seed target's 4-bit projections (out, in): the fused MLP gate+up, the MLP down, the fused
+# GDN input projections, the GDN output projection.
+QMM_SHAPES = {
+    "mlp_gate_up": (34816, 5120),
+    "mlp_down": (5120, 17408),
+    "gdn_in": (16480, 5120),
+    "gdn_out": (5120, 6144),
+}
 
-    w = (mx.random.normal((17408, 5120)) * 0.01).astype(mx.bfloat16)
-    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+
+def dependent_call_ms(fn, weights: tuple, rows: int, calls: int = 16, reps: int = 5) -> float:
+    """ms per call of `fn(x, *weights)` over `rows` bf16 rows, `calls` calls each waiting for the
+    last one (as a verify's layers run), not overlapped."""
+    x = mx.random.normal((rows, weights[0].shape[1] * 8)).astype(mx.bfloat16)
+    mx.eval(x)
+
+    def run():
+        h, ys = x, []
+        for _ in range(calls):
+            ys.append(fn(h, *weights))
+            h = h + 0 * ys[-1][:, :1]
+        mx.eval(ys)
+
+    return round(qmm_cuda.median_ms(run, reps) / calls, 4)
+
+
+def qmm_timings(kernel, shapes=QMM_SHAPES, rows=(2, 4, 8, 16), chain: bool = True) -> dict:
+    """Per shape: the kernel's and MLX's ms per dependent call by row count (MLX's one-row call
+    beside them: what decode pays), and the kernel's relative error against MLX's; `chain`:
+    also the speed gate's chain of MLP-shaped products at 8 rows."""
     out = {}
-    for M in (1, 2, 8, 16):  # 1: for comparison only (decode keeps MLX's kernel)
-        x = mx.random.normal((M, 5120)).astype(mx.bfloat16)
-        mx.eval(wq, scales, biases, x)
-        out[M] = {
-            "kernel": per_call_ms(lambda x=x: [kernel(x, wq, scales, biases)]),
-            "mlx": per_call_ms(lambda x=x: [qmm_cuda.reference(x, wq, scales, biases)]),
-        }
-    chain = {"kernel": qmm_cuda.chain_ms(kernel), "mlx": qmm_cuda.chain_ms(qmm_cuda.reference)}
-    out["chain_of_16_at_8_rows_ms"] = {k: round(v, 3) for k, v in chain.items()}
-    one = {
-        "kernel": qmm_cuda.chain_ms(kernel, rows=1),
-        "mlx": qmm_cuda.chain_ms(qmm_cuda.reference, 1),
-    }
-    out["chain_of_16_at_1_row_ms"] = {k: round(v, 3) for k, v in one.items()}
+    for name, (N, K) in shapes.items():
+        w = (mx.random.normal((N, K)) * K**-0.5).astype(mx.bfloat16)
+        weights = mx.quantize(w, group_size=64, bits=4)
+        mx.eval(weights)
+        row = {"mlx_1_row": dependent_call_ms(qmm_cuda.reference, weights, 1)}
+        for M in rows:
+            x = mx.random.normal((M, K)).astype(mx.bfloat16)
+            got, want = kernel(x, *weights), qmm_cuda.reference(x, *weights)
+            err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+            row[M] = {
+                "kernel": dependent_call_ms(kernel, weights, M),
+                "mlx": dependent_call_ms(qmm_cuda.reference, weights, M),
+                "rel_err": round(err / (mx.abs(want.astype(mx.float32)).max().item() + 1e-6), 5),
+            }
+        out[name] = row
+    if chain:
+        ms = {"kernel": qmm_cuda.chain_ms(kernel), "mlx": qmm_cuda.chain_ms(qmm_cuda.reference)}
+        out["chain_of_16_at_8_rows_ms"] = {k: round(v, 3) for k, v in ms.items()}
     return out
 
 
@@ -157,7 +184,7 @@ def run(args) -> dict:
     qmm = qmm_cuda.small_qmm if not standin else qmm_cuda.reference
     result["qmm_kernel_check"] = qmm_cuda.check(qmm) or "ok"
     if result["qmm_kernel_check"] == "ok" and not standin:  # timings mean nothing off CUDA
-        result["qmm_ms_seed_mlp_shape"] = _qmm_timings(qmm)
+        result["qmm_ms_by_shape"] = qmm_timings(qmm)
     kernel_ok = all(v == "ok" for v in checks.values()) and result["qmm_kernel_check"] == "ok"
     if kernel_ok:
         result["gdn_block_ms_seed_shape"] = {
