@@ -273,7 +273,7 @@ class ServeSettings:
     accept_rule: str = var("SANCTUM_ACCEPT_RULE", "block")
     # the speculation gate (engine Decoder.min_tau): a sequence whose rounds commit fewer tokens
     # than this on average takes plain steps for a while; "auto": what a round costs in plain
-    # steps, measured at load (rounded down to a half); 0: off
+    # steps, measured at load (rounded down to a quarter); 0: off
     min_tau: str = var("SANCTUM_MIN_TAU", "auto")
     max_tokens_limit: int = 4096
     # prompt tokens prefilled before the other requests get their next round, fewer if they

@@ -99,9 +99,9 @@ def make_verifier(
         settings.max_tokens_limit,
         settings.cache.ladder_bytes,
     )
-    verifier.decoder.adaptive = bool(settings.adaptive_width)
-    verifier.decoder.accept_rule = settings.accept_rule
     d = verifier.decoder
+    d.adaptive = bool(settings.adaptive_width)
+    d.accept_rule = settings.accept_rule
     d.min_tau, d.min_tau_sampled = (gate_threshold(settings.min_tau, d, s) for s in GATE_PROBES)
     return verifier
 
