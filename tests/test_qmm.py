@@ -1,6 +1,6 @@
 """The few-row 4-bit matmul's routing (engine/qmm_cuda.py) with a pure-MLX stand-in for the
 CUDA kernel: which layers it takes, that 2..16 bf16 rows go to it and one row or many do not,
-and that its check catches a wrong kernel. The kernel itself is checked on the GPU
+fused sibling products too, and that its check catches a wrong kernel. The kernel itself is checked on the GPU
 (test_cuda.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from sanctum.engine import qmm_cuda
+from sanctum.engine import fused, qmm_cuda
 
 
 def _layer(n_in=512, n_out=64, bias=False):
@@ -55,3 +55,41 @@ def test_check_accepts_the_reference_and_catches_a_bad_kernel():
         return mx.concatenate([y[:1] * 1.5, y[1:]])
 
     assert "max error" in qmm_cuda.check(one_row_wrong)
+
+
+class _Pair(nn.Module):  # an owner of two sibling projections, as an MLP's gate and up
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = _layer(), _layer()
+
+
+def test_fused_products_take_the_kernel_too(monkeypatch):
+    """A fused gate+up (engine/fused.py) goes through the kernel over its concatenated weight
+    (N = 128) and gives what its layers give on their own; one row keeps MLX's matmul;
+    `disabled` gives MLX's back for every call and restores the kernel after."""
+    calls = []
+
+    def standin(x, w, scales, biases):
+        calls.append((x.shape, w.shape[0]))
+        return qmm_cuda.reference(x, w, scales, biases)
+
+    monkeypatch.setattr(qmm_cuda, "small_qmm", standin)
+    owner = _Pair()
+    assert fused.fuse(owner, fused.GATED_MLP)
+    x = mx.random.normal((1, 8, 512)).astype(mx.bfloat16)
+    want = [owner.gate_proj(x), owner.up_proj(x)]
+    assert qmm_cuda.install(owner) == 2
+    got = fused.project(owner, fused.GATED_MLP, x)
+    assert calls == [((8, 512), 128)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape == (1, 8, 64)
+        np.testing.assert_array_equal(
+            np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
+        )
+    calls.clear()
+    fused.project(owner, fused.GATED_MLP, x[:, :1])
+    with qmm_cuda.disabled(owner):
+        fused.project(owner, fused.GATED_MLP, x)
+    assert calls == []
+    fused.project(owner, fused.GATED_MLP, x)
+    assert calls == [((8, 512), 128)]

@@ -66,6 +66,9 @@ class FusedProjection:
         self.layers = layers
         self.given = [layer["weight"] for layer in layers]
         self.splits = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
+        # set on CUDA by qmm_cuda.install: (x, *weights) -> y through a few-row kernel, or None
+        # where it does not take x (then MLX's matmul, as below)
+        self.kernel = None
 
     def still_current(self, owner: nn.Module, names: tuple[str, ...]) -> bool:
         """Whether `owner`'s layers still hold the views given at load: a layer replaced or
@@ -77,9 +80,10 @@ class FusedProjection:
 
     def __call__(self, x: mx.array) -> list[mx.array]:
         a = self.arrays
-        if self.quant is None:
+        y = self.kernel(x, *a.values()) if self.kernel is not None else None
+        if y is None and self.quant is None:
             y = x @ a["weight"].T
-        else:
+        elif y is None:
             y = mx.quantized_matmul(
                 x, a["weight"], a["scales"], a.get("biases"), transpose=True, **self.quant
             )
@@ -117,6 +121,11 @@ def fuse(owner: nn.Module, names: tuple[str, ...]) -> bool:
         return False
     owner.__dict__.setdefault(_KEY, {})[names] = FusedProjection(layers)
     return True
+
+
+def products(model: nn.Module) -> list[FusedProjection]:
+    """Every fused product under `model`."""
+    return [p for _, m in model.named_modules() for p in m.__dict__.get(_KEY, {}).values()]
 
 
 def is_fused(owner: nn.Module, names: tuple[str, ...]) -> bool:

@@ -31,6 +31,8 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import fused
+
 MAX_ROWS = 16
 WARPS = 8  # warps per thread block, splitting K
 FEATURES = 16  # output features per thread block (the mma's m)
@@ -243,11 +245,9 @@ class FewRowsQuantizedLinear(nn.QuantizedLinear):
     (`install` swaps a checked module's class to this one); one row and many rows as before."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        rows = x.size // x.shape[-1]
-        if not (1 < rows <= MAX_ROWS and x.dtype == mx.bfloat16):
+        y = _through_kernel(x, self["weight"], self["scales"], self["biases"])
+        if y is None:
             return super().__call__(x)
-        y = small_qmm(x.reshape(rows, x.shape[-1]), self["weight"], self["scales"], self["biases"])
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
         if "bias" in self:
             y = y + self["bias"]
         return y
@@ -255,26 +255,45 @@ class FewRowsQuantizedLinear(nn.QuantizedLinear):
 
 def install(model: nn.Module) -> int:
     """Route the few-row calls of every supported 4-bit linear layer of `model` through the
-    kernel; returns how many layers."""
+    kernel, and those of the fused sibling products over them (engine/fused.py: a verify's
+    MLP gate+up and GDN input projections); returns how many layers."""
     count = 0
     for _, module in model.named_modules():
         if type(module) is nn.QuantizedLinear and supported(module):
             module.__class__ = FewRowsQuantizedLinear
             count += 1
+    for product in fused.products(model):
+        if type(product.layers[0]) is FewRowsQuantizedLinear:  # their concatenation tiles too
+            product.kernel = _through_kernel
     return count
+
+
+def _through_kernel(x: mx.array, w, scales, biases) -> mx.array | None:
+    """`x` [..., K] through the kernel when it has 2..MAX_ROWS bfloat16 rows; else None (the
+    caller runs MLX's matmul)."""
+    rows = x.size // x.shape[-1]
+    if not (1 < rows <= MAX_ROWS and x.dtype == mx.bfloat16):
+        return None
+    y = small_qmm(x.reshape(rows, x.shape[-1]), w, scales, biases)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 @contextmanager
 def disabled(model: nn.Module):
     """MLX's own kernel for every call inside the block (a benchmark's before/after)."""
     swapped = [(m, type(m)) for _, m in model.named_modules() if type(m) is FewRowsQuantizedLinear]
+    products = [p for p in fused.products(model) if p.kernel is not None]
     for m, _ in swapped:
         m.__class__ = nn.QuantizedLinear
+    for p in products:
+        p.kernel = None
     try:
         yield len(swapped)
     finally:
         for m, kind in swapped:
             m.__class__ = kind
+        for p in products:
+            p.kernel = _through_kernel
 
 
 def check(fn=None, shapes=((256, 512), (1024, 1536)), rows=(2, 7, 8, 16)) -> str | None:
