@@ -17,7 +17,7 @@ import dflash.model_mlx as reference  # the oracle: `make setup` installs dflash
 import mlx.core as mx
 import numpy as np
 import pytest
-from sanctum.engine.drafter import load_drafter
+from sanctum.engine.drafter import ContextCache, load_drafter
 from sanctum.engine.speculative import LocalDraftPeer
 from sanctum.engine.target import load_target
 from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
@@ -36,8 +36,13 @@ def _reference_drafter(path, monkeypatch, target_model):
     return model.bind(target_model)
 
 
+@pytest.mark.parametrize("step", [None, 8])
 @pytest.mark.parametrize("layout", sorted(DRAFTER_LAYOUTS))
-def test_drafter_equals_reference(layout, target, tmp_path, monkeypatch):
+def test_drafter_equals_reference(layout, step, target, tmp_path, monkeypatch):
+    """`step` 8: sliding contexts pad to buckets of 8 rows (ContextCache.STEP), so the compiled
+    stack runs at several padded shapes before the windows fill, and still agrees."""
+    if step is not None:
+        monkeypatch.setattr(ContextCache, "STEP", step)
     target_dir, tgt = target
     raw = DRAFTER_LAYOUTS[layout](drafter_config("dflash", target_dir, block_size=8, layers=2))
     path = write_random_drafter(tmp_path / layout, raw, seed=3)
@@ -56,11 +61,13 @@ def test_drafter_equals_reference(layout, target, tmp_path, monkeypatch):
     peer.open("s")
     mask = [cfg.mask_token_id] * (L - 1)
     start, seen, rounds, past_window = 9, 0, 0, 0
+    buckets = set()
     while start + L <= total:
         anchor = int(tokens[start])
         embeds = tgt.embed_tokens(mx.array([anchor] + mask))  # [L, H]
         hidden = peer.draft("s", taps[seen:start], embeds, start)  # [L-1, H]
         seen = start
+        buckets |= {c.bucket() for c in peer.caches["s"] if c.window is not None}
         logits = ours.head.logits(hidden)
 
         ref_hidden = ref.hidden_states(
@@ -88,3 +95,5 @@ def test_drafter_equals_reference(layout, target, tmp_path, monkeypatch):
     # all sliding: once every window is full the layers ran as one compiled graph (and agreed)
     all_sliding = all(t == "sliding_attention" for t in cfg.layer_types)
     assert ("_stack" in ours.body.__dict__) == all_sliding
+    if all_sliding and step is not None:
+        assert len(buckets) >= 2  # padded shapes below the window, then the window itself

@@ -182,16 +182,27 @@ def draft_batch(
     h = block_embeds
     if body.cfg.input_embedding_scale != 1.0:
         h = h * body.cfg.input_embedding_scale
-    if all(body._steady(cache) for cache in caches):
-        # every sequence's windows are full, so their context rows stack without padding and the
-        # block mask is the same for all: the solo compiled stack runs all N blocks in one call
-        # (per-row work as alone; rows of one batch never see each other)
-        kv = [
-            mx.concatenate(parts, axis=0)
-            for i in range(len(body.layers))
-            for parts in zip(*(cache[i].fetch() for cache in caches))
-        ]
-        return body._compiled_stack()(h, mx.array(starts), *kv)
+    if all(body._compilable(cache) for cache in caches):
+        # the solo compiled stack over each group of sequences whose contexts pad to the same
+        # buckets: their context rows and masks stack, and each block's rows compute as alone
+        # (rows of one batch never see each other); once every window is full, one group
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for n, cache in enumerate(caches):
+            groups.setdefault(tuple(c.bucket() for c in cache), []).append(n)
+        outs, order = [], []
+        for members in groups.values():
+            parts = [body.padded_context(caches[n], h[n : n + 1]) for n in members]
+            ctx = [mx.concatenate(column, axis=0) for column in zip(*parts)]
+            rows = h if len(members) == len(caches) else h[mx.array(members)]
+            start = mx.array([starts[n] for n in members])
+            outs.append(body._compiled_stack()(rows, start, *ctx))
+            order += members
+        if len(outs) == 1:
+            return outs[0]
+        back = [0] * len(order)  # each sequence's row in the groups' concatenation
+        for row, n in enumerate(order):
+            back[n] = row
+        return mx.concatenate(outs, axis=0)[mx.array(back)]
     for i, layer in enumerate(body.layers):
         layer_caches = [c[i] for c in caches]
         h = layer.run(h, lambda y, a=layer.self_attn, cs=layer_caches: _attend(a, y, starts, cs))

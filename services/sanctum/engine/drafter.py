@@ -73,16 +73,45 @@ class ContextCache:
     def num_rows(self) -> int:
         return self.end - self.begin
 
+    def block_mask(self, num_rows: int, causal: bool, window: int | None) -> mx.array | None:
+        """The mask of a block of `num_rows` rows over these context rows and its own."""
+        return block_attention_mask(self.num_rows, num_rows, causal, window)
+
+    def padded(self, rows: int, block_rows: int, causal: bool, window: int | None):
+        """The context as `rows` rows (zero rows in front of the real ones, masked out) and the
+        block's mask over them: one shape for every round while the rows fit `rows`."""
+        keys, values = self.fetch()
+        pad = rows - self.num_rows
+        if pad > 0:
+            B, H, _, D = keys.shape
+            keys = mx.concatenate([mx.zeros((B, H, pad, D), keys.dtype), keys], axis=2)
+            zeros = mx.zeros((B, H, pad, values.shape[-1]), values.dtype)
+            values = mx.concatenate([zeros, values], axis=2)
+        # a real key keeps its distance to every block row, so the window rule over `rows`
+        # rows holds for it as is; the pad rows are simply not seen
+        mask = block_attention_mask(rows, block_rows, causal, window)
+        if mask is None:
+            mask = mx.ones((block_rows, rows + block_rows), mx.bool_)
+        if pad > 0:
+            mask = mask & (mx.arange(rows + block_rows) >= pad)
+        return FetchedContext(keys, values, mask[None, None])  # [1, 1, L, C + L]: stacks
+
+    def bucket(self) -> int:
+        """Rows `padded` pads a sliding layer's context to: the next multiple of STEP, at most
+        the window (so a few shapes in all, and one once the window is full)."""
+        return min(self.window, self.STEP * max(1, -(-self.num_rows // self.STEP)))
+
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
 class FetchedContext:
-    """A context cache's rows as already fetched arrays (what a compiled layer stack takes)."""
+    """A context cache's rows as already fetched arrays, padded at the front to a bucket of rows,
+    with the block's mask over them (what the compiled layer stack takes)."""
 
-    def __init__(self, keys: mx.array, values: mx.array):
-        self.keys, self.values = keys, values
+    def __init__(self, keys: mx.array, values: mx.array, mask: mx.array):
+        self.keys, self.values, self.mask = keys, values, mask
 
     def fetch(self) -> tuple[mx.array, mx.array]:
         return self.keys, self.values
@@ -91,10 +120,13 @@ class FetchedContext:
     def num_rows(self) -> int:
         return self.keys.shape[2]
 
+    def block_mask(self, num_rows: int, causal: bool, window: int | None) -> mx.array:
+        return self.mask
 
-# A draft body whose context windows are full runs its layers as one compiled graph
-# (DraftBody._steady); False: op by op always.
-COMPILE_STEADY_DRAFTS = True
+
+# A draft body whose layers all slide runs them as one compiled graph (DraftBody._compilable);
+# False: op by op always.
+COMPILE_DRAFTS = True
 
 
 def block_attention_mask(
@@ -167,7 +199,7 @@ class DraftAttention(nn.Module):
         if num_ctx:
             ck, cv = cache.fetch()
             k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
-        mask = block_attention_mask(num_ctx, L, self.causal, self.window)
+        mask = cache.block_mask(L, self.causal, self.window)
         out = scaled_dot_product_attention(q, k, v, cache=None, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -271,33 +303,42 @@ class DraftBody(nn.Module):
         h = block_embeds
         if self.cfg.input_embedding_scale != 1.0:
             h = h * self.cfg.input_embedding_scale
-        if self._steady(cache):
-            kv = [a for c in cache for a in c.fetch()]
-            return self._compiled_stack()(h, mx.array(start), *kv)
+        if self._compilable(cache):
+            return self._compiled_stack()(h, mx.array(start), *self.padded_context(cache, h))
         for layer, c in zip(self.layers, cache):
             h = layer(h, start, c)
         return self.norm(h)
 
-    def _steady(self, cache: list[ContextCache]) -> bool:
-        """Whether every layer's context is a full sliding window: the layer stack's shapes are
-        then the same every round, so it runs as one compiled graph (op by op the draft is
-        host-bound: ~8 against ~5 ms a block on this CPU for the default pair's three layers).
-        Before that, or with full-attention layers, each round's context length differs, and
-        tracing a graph per length would cost more than it saves."""
-        return COMPILE_STEADY_DRAFTS and all(
-            c.window is not None and c.num_rows == c.window for c in cache
+    def _compilable(self, cache: list[ContextCache]) -> bool:
+        """Whether the layer stack runs as one compiled graph: every layer slides (its context
+        then pads to one of a few bucket shapes, ContextCache.bucket) with a plain RoPE. Op by
+        op the draft is host-bound (~8 against ~5 ms a block on this CPU for the default
+        pair's three layers); full-attention layers' contexts grow without bound, and tracing
+        a graph per length would cost more than it saves."""
+        return COMPILE_DRAFTS and all(
+            c.window is not None for c in cache
         ) and all(type(layer.self_attn.rope) is nn.RoPE for layer in self.layers)  # fmt: skip
 
+    def padded_context(self, cache: list[ContextCache], h: mx.array) -> list[mx.array]:
+        """The compiled stack's context inputs: each layer's keys, values and block mask, its
+        rows padded to the layer's bucket."""
+        out = []
+        for layer, c in zip(self.layers, cache):
+            attn = layer.self_attn
+            fetched = c.padded(c.bucket(), h.shape[1], attn.causal, attn.window)
+            out += [fetched.keys, fetched.values, fetched.mask]
+        return out
+
     def _compiled_stack(self):
-        """The layers and the final norm over fetched context rows, the anchor's position an
-        array input (one graph for every round). The weights are captured at the first trace:
-        an inference body's (training runs `DraftLayer.run`, never this)."""
+        """The layers and the final norm over padded context rows and their masks, the anchor's
+        position an array input (one graph per bucket shape). The weights are captured at the
+        first trace: an inference body's (training runs `DraftLayer.run`, never this)."""
         fn = self.__dict__.get("_stack")
         if fn is None:
 
-            def stack(h, start, *kv):
+            def stack(h, start, *ctx):
                 for i, layer in enumerate(self.layers):
-                    h = layer(h, start, FetchedContext(kv[2 * i], kv[2 * i + 1]))
+                    h = layer(h, start, FetchedContext(*ctx[3 * i : 3 * i + 3]))
                 return self.norm(h)
 
             fn = self.__dict__["_stack"] = mx.compile(stack)
