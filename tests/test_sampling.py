@@ -246,6 +246,20 @@ def test_dflash2_greedy_selection_of_a_batch_equals_each_alone(tiny_vocab_pairs,
         assert np.array_equal(np.array(together[n]), np.array(alone)), f"block {n}"
 
 
+@pytest.mark.parametrize("vocab", [248320, 40001])
+@pytest.mark.parametrize("k", [16, 128])
+def test_two_stage_top_candidates_are_the_top_k(vocab, k):
+    """The GPU's two-stage top-k (per chunk, then over the chunks' picks; a last chunk padded)
+    picks the same set as one partition of the whole row."""
+    from sanctum.engine.drafter import top_candidates
+
+    logits = mx.random.normal((2, 3, vocab), key=mx.random.key(vocab + k))
+    got = np.sort(np.array(top_candidates(logits, k, two_stage=True)), axis=-1)
+    want = np.sort(np.argsort(-np.array(logits), axis=-1)[..., :k], axis=-1)
+    assert got.shape == (2, 3, k)
+    assert np.array_equal(got, want)
+
+
 # ---- block verification: exact over small trees of conditionals ------------------------------
 
 

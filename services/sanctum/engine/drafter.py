@@ -20,7 +20,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.utils import dequantize_model
 
-from . import fused
+from . import cuda, fused
 from .drafter_config import DrafterConfig
 from .target import CheckpointError, read_config, resolve_checkpoint
 
@@ -359,6 +359,35 @@ class DraftBody(nn.Module):
 SAMPLING_CANDIDATES = 128
 
 
+# On a GPU, above this vocabulary the top-k runs in two stages (`top_candidates`).
+TWO_STAGE_VOCAB = 32768
+CHUNK = 1024
+
+
+def top_candidates(logits: mx.array, k: int, two_stage: bool | None = None) -> mx.array:
+    """The indices of the k largest logits of each row ([..., V] -> [..., k], in no order).
+
+    `two_stage` (default: on a GPU, over a vocabulary above TWO_STAGE_VOCAB): each chunk of
+    CHUNK logits its own top k, then the top k of those. It is exact (a row's top k are each in
+    their chunk's top k); on a GPU, where a partition of a 248K-long row sorts it, sorting short
+    rows is far cheaper. (On the CPU a partition is linear: one stage is faster there.)"""
+    V = logits.shape[-1]
+    if two_stage is None:
+        two_stage = mx.default_device() == mx.gpu and V > TWO_STAGE_VOCAB
+    if not two_stage or k > CHUNK:
+        return mx.argpartition(-logits, k - 1, axis=-1)[..., :k]
+    chunks = -(-V // CHUNK)
+    if (pad := chunks * CHUNK - V) > 0:
+        fill = mx.full((*logits.shape[:-1], pad), -mx.inf, logits.dtype)
+        logits = mx.concatenate([logits, fill], axis=-1)
+    split = logits.reshape(*logits.shape[:-1], chunks, CHUNK)
+    local = mx.argpartition(-split, k - 1, axis=-1)[..., :k]  # [..., chunks, k]
+    values = mx.take_along_axis(split, local, axis=-1).reshape(*logits.shape[:-1], chunks * k)
+    index = (local + mx.arange(chunks)[:, None] * CHUNK).reshape(values.shape)
+    best = mx.argpartition(-values, k - 1, axis=-1)[..., :k]
+    return mx.take_along_axis(index, best, axis=-1)
+
+
 class CandidateSelector(nn.Module):
     """DFlash 2: re-rank each row's top-k candidates by a low-rank (previous, next) bigram score."""
 
@@ -439,9 +468,19 @@ class DraftHead(nn.Module):
         return tokens, cand, mx.stack(probs)
 
     def select_greedy(self, hidden: mx.array, logits: mx.array, anchors: mx.array) -> mx.array:
-        """`select` at temperature 0 for N blocks at once (a shared round): hidden [N, R, H],
-        logits [N, R, V], anchors [N] -> tokens [N, R], each row's pick given its own block's
-        previous pick, as `select` makes it alone."""
+        """`select` at temperature 0 for N blocks at once (a shared round, or one block):
+        hidden [N, R, H], logits [N, R, V], anchors [N] -> tokens [N, R], each row's pick given
+        its own block's previous pick, as `select` makes it alone. One compiled graph per
+        (N, R): op by op its R gathers and argmaxes are that many kernel launches and graph
+        nodes built in Python, a round's host time on a GPU."""
+        if not COMPILE_DRAFTS:
+            return self._select_greedy(hidden, logits, anchors)
+        fn = self.__dict__.get("_compiled_select")
+        if fn is None:  # the selector's weights are captured at the first trace (inference)
+            fn = self.__dict__["_compiled_select"] = mx.compile(self._select_greedy)
+        return fn(hidden, logits, anchors)
+
+    def _select_greedy(self, hidden: mx.array, logits: mx.array, anchors: mx.array) -> mx.array:
         N, R = hidden.shape[:2]
         cand, scores, after = self._candidate_scores(
             hidden, logits, anchors, self.cfg.selector_top_k
@@ -458,7 +497,7 @@ class DraftHead(nn.Module):
         scores [N, k], rows 1..R-1's scores for every previous candidate [N, R-1, k, k])."""
         sel = self.candidate_selector
         k = min(max(top_k, self.cfg.selector_top_k), logits.shape[-1])
-        cand = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]  # [N, R, k]
+        cand = top_candidates(logits, k)  # [N, R, k]
         cand_logits = mx.take_along_axis(logits, cand, axis=-1)
         proj = sel.project(hidden)  # [N, R, rank]
         # Every row's scores for every possible predecessor: row 0 follows the anchor, row
@@ -569,6 +608,8 @@ def load_drafter(
             nn.quantize(body, group_size=64, bits=bits, class_predicate=_quantizable(bits))
         mx.eval(body.parameters())
         fused.fuse_drafter(body)  # q/k/v and gate/up each one product
+        if bits == 4:  # on CUDA, a block's few-row products through the checked 4-bit kernel
+            cuda.prepare_linear(body)
     if parts in ("both", "head"):
         if target is None and parts == "both":
             raise ValueError("the head needs the target's LM head")

@@ -449,10 +449,11 @@ class Decoder:
         When sampling, the proposal q is the drafter's at the request's temperature times the
         config's `draft_temperature_scale`; the rejection rule keeps p's distribution for any q."""
         temp = 0.0 if params.greedy else params.temperature * self.cfg.draft_temperature_scale
+        if self.cfg.is_v2 and params.greedy:
+            anchor = mx.array([seq.anchor])
+            return self.head.select_greedy(hidden[None], logits[None], anchor)[0], None
         if self.cfg.is_v2:
             drafts, cand, cand_q = self.head.select(hidden, logits, seq.anchor, temp, key)
-            if params.greedy:
-                return drafts, None
             q = mx.put_along_axis(mx.zeros(logits.shape, mx.float32), cand, cand_q, axis=-1)
             return drafts, q
         if params.greedy:
