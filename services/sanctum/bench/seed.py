@@ -267,7 +267,11 @@ def seed(args) -> dict:
 
     shape = _shape(args)
     root = Path(args.dir).expanduser() if args.dir else sanctum_home() / "seed"
-    say = lambda msg: print(f"[seed] {msg}", file=sys.stderr, flush=True)
+    began = time.perf_counter()  # each line says when: where a run's time went
+
+    def say(msg: str) -> None:
+        print(f"[seed {time.perf_counter() - began:.0f}s] {msg}", file=sys.stderr, flush=True)
+
     target_dir, drafter_dir, build_s = ensure(root, shape, say, with_drafter=not args.plain_only)
     t0 = time.perf_counter()
     target = load_target(target_dir)
