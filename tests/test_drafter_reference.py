@@ -17,6 +17,7 @@ import dflash.model_mlx as reference  # the oracle: `make setup` installs dflash
 import mlx.core as mx
 import numpy as np
 import pytest
+from sanctum.engine import drafter as drafter_module
 from sanctum.engine.drafter import ContextCache, load_drafter
 from sanctum.engine.speculative import LocalDraftPeer
 from sanctum.engine.target import load_target
@@ -39,10 +40,12 @@ def _reference_drafter(path, monkeypatch, target_model):
 @pytest.mark.parametrize("step", [None, 8])
 @pytest.mark.parametrize("layout", sorted(DRAFTER_LAYOUTS))
 def test_drafter_equals_reference(layout, step, target, tmp_path, monkeypatch):
-    """`step` 8: sliding contexts pad to buckets of 8 rows (ContextCache.STEP), so the compiled
-    stack runs at several padded shapes before the windows fill, and still agrees."""
+    """`step` 8: sliding contexts pad to buckets of 8 rows (ContextCache.STEP, as on a GPU), so
+    the compiled stack runs at several padded shapes before the windows fill, and still
+    agrees. None: this device's default (on the CPU: op by op until the windows are full)."""
     if step is not None:
         monkeypatch.setattr(ContextCache, "STEP", step)
+        monkeypatch.setattr(drafter_module, "PAD_TO_BUCKETS", True)
     target_dir, tgt = target
     raw = DRAFTER_LAYOUTS[layout](drafter_config("dflash", target_dir, block_size=8, layers=2))
     path = write_random_drafter(tmp_path / layout, raw, seed=3)
@@ -84,6 +87,9 @@ def test_drafter_equals_reference(layout, step, target, tmp_path, monkeypatch):
                 ref_hidden, ref.compute_logits(ref_hidden), mx.array([anchor]), 0.0
             )[0][0]
             assert ours_picks.tolist() == ref_picks.tolist(), f"round {rounds}"
+            # what a greedy round runs: the compiled selection
+            compiled = ours.head.select_greedy(hidden[None], logits[None], mx.array([anchor]))
+            assert compiled[0].tolist() == ref_picks.tolist(), f"round {rounds} (compiled)"
         else:
             assert mx.argmax(logits, -1).tolist() == mx.argmax(ref_logits, -1).tolist()
         past_window += start > window

@@ -127,6 +127,11 @@ class FetchedContext:
 # A draft body whose layers all slide runs them as one compiled graph (DraftBody._compilable);
 # False: op by op always.
 COMPILE_DRAFTS = True
+# Before its windows fill, compiled over contexts padded to buckets (ContextCache.bucket): None
+# on a GPU only, where op by op the draft is host-bound. On the CPU drafting is compute-bound
+# and the padding costs more than compiling saves (default pair, short prompts: 0.95x tok/s),
+# so it runs op by op until the windows are full.
+PAD_TO_BUCKETS: bool | None = None
 
 
 def block_attention_mask(
@@ -310,14 +315,16 @@ class DraftBody(nn.Module):
         return self.norm(h)
 
     def _compilable(self, cache: list[ContextCache]) -> bool:
-        """Whether the layer stack runs as one compiled graph: every layer slides (its context
-        then pads to one of a few bucket shapes, ContextCache.bucket) with a plain RoPE. Op by
-        op the draft is host-bound (~8 against ~5 ms a block on this CPU for the default
-        pair's three layers); full-attention layers' contexts grow without bound, and tracing
-        a graph per length would cost more than it saves."""
-        return COMPILE_DRAFTS and all(
-            c.window is not None for c in cache
-        ) and all(type(layer.self_attn.rope) is nn.RoPE for layer in self.layers)  # fmt: skip
+        """Whether the layer stack runs as one compiled graph: every layer slides with a plain
+        RoPE, and its context is a full window or pads to one of a few bucket shapes
+        (PAD_TO_BUCKETS). Full-attention layers' contexts grow without bound, and tracing a
+        graph per length would cost more than it saves."""
+        pad = PAD_TO_BUCKETS if PAD_TO_BUCKETS is not None else mx.default_device() == mx.gpu
+        return (
+            COMPILE_DRAFTS
+            and all(c.window is not None and (pad or c.num_rows == c.window) for c in cache)
+            and all(type(layer.self_attn.rope) is nn.RoPE for layer in self.layers)
+        )
 
     def padded_context(self, cache: list[ContextCache], h: mx.array) -> list[mx.array]:
         """The compiled stack's context inputs: each layer's keys, values and block mask, its
