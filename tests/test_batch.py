@@ -563,6 +563,41 @@ def test_steady_drafts_of_a_batch_run_as_one_compiled_stack_equal_to_alone(make_
         assert got[f"s{i}"] == solo(target, drafter, p, 24, sampling=s), f"sequence {i}"
 
 
+def test_padded_drafts_of_a_batch_group_by_bucket_and_equal_alone(make_pair, tmp_path, monkeypatch):
+    """Before the windows fill, on a GPU (PAD_TO_BUCKETS), each sequence's context pads to a
+    bucket (here of 8 rows) and the compiled stack runs once per bucket group: every block's
+    hidden states equal drafting it alone op by op, unpadded, in the batch's order."""
+    from sanctum.engine import drafter as drafter_module
+    from sanctum.engine.drafter import ContextCache, load_drafter
+    from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
+
+    target_dir, _ = make_pair("hybrid", "dflash")
+    target, _ = load_pair(make_pair)
+    raw = DRAFTER_LAYOUTS["dflash2"](drafter_config("dflash", target_dir))
+    drafter = load_drafter(write_random_drafter(tmp_path / "d2", raw, seed=2), target)
+    window = drafter.cfg.sliding_window
+    assert window - 1 > 16  # a context cache keeps window - 1 rows
+    body, peer = drafter.body, LocalDraftPeer(drafter)
+    width = len(drafter.cfg.target_layer_ids) * target.hidden_size
+    starts = [13, 5, 11, window + 3]  # buckets 16, 8, 16 and the full window
+    taps = [mx.random.normal((s, width), key=mx.random.key(s)) for s in starts]
+    embeds = mx.stack([target.embed_tokens(mx.array([3 + n] + [4] * 7)) for n in range(4)])
+    for n in range(4):
+        peer.open(f"solo{n}")
+        peer.open(f"batch{n}")
+    monkeypatch.setattr(drafter_module, "PAD_TO_BUCKETS", False)
+    alone = [peer.draft(f"solo{n}", taps[n], embeds[n], starts[n]) for n in range(4)]
+    monkeypatch.setattr(drafter_module, "PAD_TO_BUCKETS", True)
+    monkeypatch.setattr(ContextCache, "STEP", 8)
+    calls = []
+    stack = body._compiled_stack()
+    body.__dict__["_stack"] = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
+    together = peer.draft_batch([f"batch{n}" for n in range(4)], taps, embeds, starts)
+    assert sorted(calls) == [1, 1, 2]  # three bucket groups: {0, 2}, {1}, {3}
+    for n in range(4):
+        assert mx.allclose(together[n], alone[n], atol=1e-5).item(), f"sequence {n}"
+
+
 def test_speculation_gate_steps_plainly_below_its_threshold_and_tries_again(make_pair):
     """The speculation gate: with a threshold no round reaches, a sequence drafts its warm-up
     rounds, then a stretch of plain steps, then one round, then a stretch twice as long...;
