@@ -58,6 +58,9 @@ def test_bench_seed_layers_4_json_runs_on_the_cpu(tmp_path):
     assert set(split) == {"draft", "verify", "rollback", "other", "total"}
     assert split["total"] == pytest.approx(sum(v for k, v in split.items() if k != "total"), 0.01)
     assert r["break_even_tau"] > 0
+    pieces = r["draft_pieces_ms"]  # the draft phase's synced pieces: within the phase
+    assert set(pieces) == {"inputs", "body_build", "body", "head", "select"}
+    assert 0 < sum(pieces.values()) <= split["draft"] * 1.5
     tau5 = r["projected_speedup"]["5"]
     assert tau5 == pytest.approx(5 / r["break_even_tau"], rel=0.01)
     # exactness at seed shapes (CPU: float32): plain == mlx-lm, speculative == plain

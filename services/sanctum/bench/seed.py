@@ -214,10 +214,15 @@ def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_
     forced = ForcedDecoder(target, drafter, L, split_tau)
     forced.profile = True
     _decode(forced, prompt, 2 * L, kv)
+    forced.draft_pieces.clear()
     split = _round_split(_decode(forced, prompt, n, kv)[1])
     total = split["total"]
     out = {
         "round_ms": split,
+        # the draft phase's pieces, each synced (Decoder._draft_piece): where its time goes
+        "draft_pieces_ms": {
+            k: round(1000 * statistics.median(v), 3) for k, v in forced.draft_pieces.items()
+        },
         "round_share": {p: round(v / total, 3) for p, v in split.items() if p != "total"},
         "break_even_tau": round(total / decode_ms, 3),
         "projected_speedup": {t: round(t * decode_ms / total, 3) for t in TAUS},

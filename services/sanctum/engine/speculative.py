@@ -159,6 +159,8 @@ class Decoder:
         self.max_pending_rows = min(MAX_PENDING_TAP_ROWS, seen or MAX_PENDING_TAP_ROWS)
         self.pipelined = bool(getattr(self.peer, "pipelined", False)) and self.block_size > 1
         self.profile = False  # sync after each phase of a round (accurate split, slower)
+        # with `profile`: seconds of each piece of each draft (`_draft_piece`)
+        self.draft_pieces: dict[str, list[float]] = {}
         # adaptive width: a sequence whose drafts keep failing drafts smaller blocks (down to
         # MIN_WIDTH), and grows back to block_size as they are accepted; its own history alone
         # decides, so a sequence drafts the same widths alone or in a batch
@@ -434,15 +436,34 @@ class Decoder:
 
     def _draft(self, seq: Sequence, params: SamplingParams, key: mx.array):
         """Propose L-1 tokens; returns (drafts [L-1], q [L-1, V] or None when greedy)."""
+        self._piece_t = time.perf_counter()
         start = cache_offset(seq.cache)
         hidden = self._collect_prefetch(seq, start)
         if hidden is None:
             self._open_draft(seq)
             block_embeds = self._block_embeds(seq.anchor, self.width(seq))
-            hidden = self.peer.draft(seq.seq_id, seq.taps.unsent(), block_embeds, start)  # [L-1, H]
+            unsent = seq.taps.unsent()
+            self._draft_piece("inputs", block_embeds, unsent)
+            hidden = self.peer.draft(seq.seq_id, unsent, block_embeds, start)  # [L-1, H]
             seq.taps.sent = seq.taps.end
+            self._draft_piece("body_build")
+        self._draft_piece("body", hidden)
         logits = self.head.logits(cuda.pad_rows(hidden))[: hidden.shape[0]]  # [L-1, V]
-        return self._propose(seq, hidden, logits, params, key)
+        self._draft_piece("head", logits)
+        drafts, q = self._propose(seq, hidden, logits, params, key)
+        self._draft_piece("select", drafts)
+        return drafts, q
+
+    def _draft_piece(self, name: str, *outputs) -> None:
+        """With `profile`: evaluate `outputs` and add the time since the last piece to
+        `draft_pieces[name]` (for the body of an in-process drafter, "body_build" is the host
+        building its graph and "body" the evaluation after)."""
+        if not self.profile:
+            return
+        mx.eval([a for a in outputs if a is not None])
+        now = time.perf_counter()
+        self.draft_pieces.setdefault(name, []).append(now - self._piece_t)
+        self._piece_t = now
 
     def _propose(self, seq: Sequence, hidden, logits, params: SamplingParams, key: mx.array):
         """Draft tokens from the body's hidden states [L-1, H] and their logits [L-1, V].
