@@ -15,6 +15,9 @@
 #                command-buffer settings (default, bigger buffers, no CUDA graphs)           ~2 min
 # A step starts only while DEADLINE (default 540) seconds have not passed, so the whole run
 # ends inside a 10-minute limit with what it finished.
+# MLX compiles its CUDA kernels at first use, ~150-190 s of a run on a fresh machine; the
+# compiled kernels are kept beside the checkpoints (MLX_PTX_CACHE_DIR, default
+# ~/.cache/sanctum/cuda-ptx; MLX's own default is under /tmp), so a later run skips that.
 # Knobs, for a smoke run on a CPU: SEED_ARGS (e.g. "--layers 2 --max-tokens 8"), SPEC_ARGS
 # (e.g. "--max-tokens 16 --repeats 1"), VARIANT_ARGS, SEED_DIR, PYTHON, DEADLINE.
 set -uo pipefail
@@ -26,6 +29,7 @@ mkdir -p "$out"
 : > "$out/steps.txt"
 export PYTHONPATH="$PWD/services${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/.cache/sanctum/cuda-ptx}
 failed=0
 
 step() {  # step NAME EXT NEEDS COMMAND...: stdout to $out/NAME.EXT, stderr to $out/NAME.err

@@ -60,6 +60,7 @@ def main(out: Path) -> None:
         ),
         ("seed: round ms (draft, verify, rollback, other)", get(seed, "round_ms"), "(was 135)"),
         ("seed: round shares", get(seed, "round_share"), "draft <= 0.15, rollback <= 0.05"),
+        ("seed: draft pieces ms (synced)", get(seed, "draft_pieces_ms"), "where the draft goes"),
         ("seed: break-even tau", get(seed, "break_even_tau"), "<= 1.6 (was 2.8)"),
         (
             "seed: projected speed-up at tau 5",
