@@ -67,6 +67,8 @@ def test_bench_seed_layers_4_json_runs_on_the_cpu(tmp_path):
     assert r["plain_equals_mlx_lm_tokens_same_prefill"] == "16/16"
     assert r["speculative_equals_plain_tokens"] == "16/16"
     assert r["kv_q8"]["plain_tok_s"] > 0 and "phases" in r
+    # the fused-decode experiment compares one step's logits both ways (0.0: equal to the bit)
+    assert r["fused_decode_logits_max_abs_diff"] >= 0.0
     again = sanctum("bench", "seed", "--layers", "4", "--json", "--dir", str(tmp_path),
                     "--max-tokens", "8", "--repeats", "1", "--reps", "1", "--no-phases",
                     "--kv", "fp16")  # fmt: skip

@@ -189,9 +189,19 @@ def plain_figures(target, prompt: list[int], n: int, repeats: int, kv: str) -> d
         f"{_same_prefix(x_tokens, m_tokens)}/{len(m_tokens)}"
     )
     if target.fused_groups:  # an experiment: decode steps through the fused products too
+        cache = target.make_cache(kv)
+        target.prefill(prompt, cache)
+        states = target.recurrent_state(cache)
+        step = mx.array([tokens[0]])
+        unfused = target.forward(step, cache)[0]
+        mx.eval(unfused)
+        target.truncate(cache, len(prompt), states)
         fused.MIN_ROWS, min_rows = 1, fused.MIN_ROWS
         target.drop_compiled()
         try:
+            # one decode step's logits both ways, on the same cache: equal to the bit or not
+            diff = mx.abs(target.forward(step, cache)[0] - unfused).max().item()
+            out["fused_decode_logits_max_abs_diff"] = diff
             _decode(plain, prompt, 8, kv)
             runs = [_decode(plain, prompt, n, kv) for _ in range(repeats)]
         finally:
