@@ -191,7 +191,7 @@ def draft_batch(
             groups.setdefault(tuple(c.bucket() for c in cache), []).append(n)
         outs, order = [], []
         for members in groups.values():
-            parts = [body.padded_context(caches[n], h[n : n + 1]) for n in members]
+            parts = [body.padded_context(caches[n], h.shape[1]) for n in members]
             ctx = [mx.concatenate(column, axis=0) for column in zip(*parts)]
             rows = h if len(members) == len(caches) else h[mx.array(members)]
             start = mx.array([starts[n] for n in members])

@@ -309,7 +309,8 @@ class DraftBody(nn.Module):
         if self.cfg.input_embedding_scale != 1.0:
             h = h * self.cfg.input_embedding_scale
         if self._compilable(cache):
-            return self._compiled_stack()(h, mx.array(start), *self.padded_context(cache, h))
+            context = self.padded_context(cache, h.shape[1])
+            return self._compiled_stack()(h, mx.array(start), *context)
         for layer, c in zip(self.layers, cache):
             h = layer(h, start, c)
         return self.norm(h)
@@ -326,13 +327,13 @@ class DraftBody(nn.Module):
             and all(type(layer.self_attn.rope) is nn.RoPE for layer in self.layers)
         )
 
-    def padded_context(self, cache: list[ContextCache], h: mx.array) -> list[mx.array]:
-        """The compiled stack's context inputs: each layer's keys, values and block mask, its
-        rows padded to the layer's bucket."""
+    def padded_context(self, cache: list[ContextCache], block_rows: int) -> list[mx.array]:
+        """The compiled stack's context inputs for a block of `block_rows` rows: each layer's
+        keys, values and block mask, its rows padded to the layer's bucket."""
         out = []
         for layer, c in zip(self.layers, cache):
             attn = layer.self_attn
-            fetched = c.padded(c.bucket(), h.shape[1], attn.causal, attn.window)
+            fetched = c.padded(c.bucket(), block_rows, attn.causal, attn.window)
             out += [fetched.keys, fetched.values, fetched.mask]
         return out
 
