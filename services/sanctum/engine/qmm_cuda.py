@@ -1,5 +1,5 @@
-"""A CUDA kernel for 4-bit matmuls over a few rows (a verify block, a draft head), through
-`mx.fast.cuda_kernel`.
+"""A CUDA kernel for 4-bit matmuls over a few rows (a verify block's projections, the fused
+sibling products of engine/fused.py among them; a draft head), through `mx.fast.cuda_kernel`.
 
 Why: on the H200, MLX CUDA's quantized matmul at 8 rows costs ~2.6x its one-row kernel when the
 layers run one after the other (measured in place at the seed's shapes: the 64 MLPs of a verify
