@@ -199,10 +199,8 @@ def draft_batch(
             order += members
         if len(outs) == 1:
             return outs[0]
-        back = [0] * len(order)  # each sequence's row in the groups' concatenation
-        for row, n in enumerate(order):
-            back[n] = row
-        return mx.concatenate(outs, axis=0)[mx.array(back)]
+        # back to the callers' order: row n of the result is sequence n's
+        return mx.concatenate(outs, axis=0)[mx.argsort(mx.array(order))]
     for i, layer in enumerate(body.layers):
         layer_caches = [c[i] for c in caches]
         h = layer.run(h, lambda y, a=layer.self_attn, cs=layer_caches: _attend(a, y, starts, cs))

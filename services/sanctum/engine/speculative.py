@@ -161,6 +161,7 @@ class Decoder:
         self.profile = False  # sync after each phase of a round (accurate split, slower)
         # with `profile`: seconds of each piece of each draft (`_draft_piece`)
         self.draft_pieces: dict[str, list[float]] = {}
+        self._piece_t = 0.0  # when the last piece ended
         # adaptive width: a sequence whose drafts keep failing drafts smaller blocks (down to
         # MIN_WIDTH), and grows back to block_size as they are accepted; its own history alone
         # decides, so a sequence drafts the same widths alone or in a batch
@@ -436,7 +437,8 @@ class Decoder:
 
     def _draft(self, seq: Sequence, params: SamplingParams, key: mx.array):
         """Propose L-1 tokens; returns (drafts [L-1], q [L-1, V] or None when greedy)."""
-        self._piece_t = time.perf_counter()
+        if self.profile:
+            self._piece_t = time.perf_counter()
         start = cache_offset(seq.cache)
         hidden = self._collect_prefetch(seq, start)
         if hidden is None:
