@@ -103,3 +103,32 @@ def test_drafter_equals_reference(layout, step, target, tmp_path, monkeypatch):
     assert ("_stack" in ours.body.__dict__) == all_sliding
     if all_sliding and step is not None:
         assert len(buckets) >= 2  # padded shapes below the window, then the window itself
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("kernel", [2, 3])
+def test_dynamic_conv_equals_repeat_and_zero_padded_shifts(kernel, dtype):
+    """DFlash 2's convolution, computed with grouped broadcasts and 0/1 shift matrices (no
+    copies, on a GPU a draft's launches), gives bit for bit what the plain reading gives: each
+    weight repeated over its channel group, each row's predecessors zero-padded before the
+    block."""
+    B, L, H, group = 2, 6, 32, 8
+    conv = drafter_module.DynamicConv(H, kernel, group)
+    rng = np.random.default_rng(0)
+    conv.base_kernel = mx.array(rng.standard_normal((2, kernel, H)), dtype=dtype)
+    conv.kernel_projection.weight = mx.array(
+        rng.standard_normal(conv.kernel_projection.weight.shape), dtype=dtype
+    )
+    x = mx.array(rng.standard_normal((B, L, H)), dtype=dtype)
+    dyn = conv.kernels(x)
+    full = conv.base_kernel + mx.repeat(
+        conv.kernel_projection(x).reshape(B, L, 2, kernel, H // group), group, axis=-1
+    )  # [B, L, 2, K, H]
+    for which in (0, 1):
+        want = full[:, :, which, 0] * x
+        for o in range(1, kernel):
+            shifted = mx.concatenate([mx.zeros((B, o, H), dtype), x[:, : L - o]], axis=1)
+            want = want + full[:, :, which, o] * shifted
+        got = conv.apply(x, dyn, which)
+        assert got.dtype == dtype
+        assert mx.array_equal(got, want).item(), which

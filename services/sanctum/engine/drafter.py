@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.utils import dequantize_model
@@ -33,7 +34,9 @@ class ContextCache:
     A sliding layer keeps only the last `window` rows (sliding_window - 1: all that its anchor
     row can see). mlx-lm's RotatingKVCache would hold them in rotated order after one-row
     updates, while the per-row window mask needs time order, so this keeps its own buffer:
-    written in place, `STEP` rows of headroom, compacted when the headroom is used up."""
+    written in place, `STEP` rows of headroom, compacted when the headroom is used up. A sliding
+    layer's buffer also keeps `window` rows in front of its own (zeros, or rows that slid out),
+    so a context padded to any bucket is a view of the buffer, not a new array (`padded`)."""
 
     STEP = 256
 
@@ -50,13 +53,15 @@ class ContextCache:
             if self.window is not None:
                 held = min(held, max(0, self.window - n))
             B, H, _, D = keys.shape
-            capacity = held + n + self.STEP
+            front = self.window or 0
+            capacity = front + held + n + self.STEP
             new_k = mx.zeros((B, H, capacity, D), keys.dtype)
             new_v = mx.zeros((B, H, capacity, values.shape[-1]), values.dtype)
             if held:
-                new_k[..., :held, :] = self.keys[..., self.end - held : self.end, :]
-                new_v[..., :held, :] = self.values[..., self.end - held : self.end, :]
-            self.keys, self.values, self.begin, self.end = new_k, new_v, 0, held
+                kept = slice(self.end - held, self.end)
+                new_k[..., front : front + held, :] = self.keys[..., kept, :]
+                new_v[..., front : front + held, :] = self.values[..., kept, :]
+            self.keys, self.values, self.begin, self.end = new_k, new_v, front, front + held
         self.keys[..., self.end : self.end + n, :] = keys
         self.values[..., self.end : self.end + n, :] = values
         self.end += n
@@ -77,24 +82,22 @@ class ContextCache:
         """The mask of a block of `num_rows` rows over these context rows and its own."""
         return block_attention_mask(self.num_rows, num_rows, causal, window)
 
-    def padded(self, rows: int, block_rows: int, causal: bool, window: int | None):
-        """The context as `rows` rows (zero rows in front of the real ones, masked out) and the
-        block's mask over them: one shape for every round while the rows fit `rows`."""
-        keys, values = self.fetch()
+    def padded(self, rows: int, block_rows: int, causal: bool, window: int | None, masks=None):
+        """The context as `rows` rows (the real ones last, the pad rows in front masked out) and
+        the block's mask over them: one shape for every round while the rows fit `rows`. The pad
+        rows are the buffer's own rows in front of `begin` (a sliding layer's buffer keeps
+        `window` of them: zeros, or rows that slid out; finite, and never seen), so the padded
+        context is a view, no new array. `masks`: a dict that keeps masks by shape and pad, for
+        the layers and rounds that share them."""
         pad = rows - self.num_rows
-        if pad > 0:
-            B, H, _, D = keys.shape
-            keys = mx.concatenate([mx.zeros((B, H, pad, D), keys.dtype), keys], axis=2)
-            zeros = mx.zeros((B, H, pad, values.shape[-1]), values.dtype)
-            values = mx.concatenate([zeros, values], axis=2)
-        # a real key keeps its distance to every block row, so the window rule over `rows`
-        # rows holds for it as is; the pad rows are simply not seen
-        mask = block_attention_mask(rows, block_rows, causal, window)
-        if mask is None:
-            mask = mx.ones((block_rows, rows + block_rows), mx.bool_)
-        if pad > 0:
-            mask = mask & (mx.arange(rows + block_rows) >= pad)
-        return FetchedContext(keys, values, mask[None, None])  # [1, 1, L, C + L]: stacks
+        assert self.window is not None and 0 <= pad and rows <= self.end, (rows, self.end)
+        keys = self.keys[..., self.end - rows : self.end, :]
+        values = self.values[..., self.end - rows : self.end, :]
+        masks = {} if masks is None else masks
+        key = (rows, block_rows, pad, causal, window)
+        if (mask := masks.get(key)) is None:
+            mask = masks[key] = padded_block_mask(*key)
+        return FetchedContext(keys, values, mask)
 
     def bucket(self) -> int:
         """Rows `padded` pads a sliding layer's context to: the next multiple of STEP, at most
@@ -132,6 +135,20 @@ COMPILE_DRAFTS = True
 # and the padding costs more than compiling saves (default pair, short prompts: 0.95x tok/s),
 # so it runs op by op until the windows are full.
 PAD_TO_BUCKETS: bool | None = None
+
+
+def padded_block_mask(
+    rows: int, block_rows: int, pad: int, causal: bool, window: int | None
+) -> mx.array:
+    """[1, 1, L, rows + L]: `block_attention_mask` over `rows` context rows whose first `pad`
+    are padding, never seen. A real key keeps its distance to every block row, so the window
+    rule over `rows` rows holds for it as is."""
+    mask = block_attention_mask(rows, block_rows, causal, window)
+    if mask is None:
+        mask = mx.ones((block_rows, rows + block_rows), mx.bool_)
+    if pad > 0:
+        mask = mask & (mx.arange(rows + block_rows) >= pad)
+    return mask[None, None]  # stacks along the batch axis
 
 
 def block_attention_mask(
@@ -230,21 +247,41 @@ class DynamicConv(nn.Module):
         self.base_kernel = mx.zeros((2, kernel, dim))
         self.kernel_projection = nn.Linear(dim, 2 * kernel * (dim // group), bias=False)
 
-    def kernels(self, x: mx.array) -> mx.array:
-        B, L, H = x.shape
-        dyn = self.kernel_projection(x).reshape(B, L, 2, self.kernel, H // self.group)
-        return self.base_kernel + mx.repeat(dyn, self.group, axis=-1)  # [B, L, 2, K, H]
+    # Every group of `group` channels shares one dynamic weight: x is seen as
+    # [B, L, H / group, group] and the weights broadcast over the last axis; a row's
+    # predecessors come from a 0/1 shift matrix. Both keep a draft's kernel count down on a GPU,
+    # where a drafter layer is bound by kernel launches, not arithmetic: no copy for a repeat,
+    # none for a shift. The values are bit for bit those of a repeat and zero-padded shifts.
 
-    @staticmethod
-    def apply(x: mx.array, kernels: mx.array, which: int) -> mx.array:
+    def kernels(self, x: mx.array) -> mx.array:
+        """The dynamic part of each row's kernels: [B, L, 2, K, H / group, 1]."""
         B, L, H = x.shape
-        out = kernels[:, :, which, 0] * x
-        for o in range(1, kernels.shape[3]):
-            if o >= L:
-                break
-            shifted = mx.concatenate([mx.zeros((B, o, H), x.dtype), x[:, : L - o]], axis=1)
-            out = out + kernels[:, :, which, o] * shifted
-        return out
+        dyn = self.kernel_projection(x)
+        return dyn.reshape(B, L, 2, self.kernel, H // self.group, 1)
+
+    def apply(self, x: mx.array, dyn: mx.array, which: int) -> mx.array:
+        """out[l] = sum over o of (base[o] + dyn[l, o]) * x[l - o], zero before the block."""
+        B, L, H = x.shape
+        grouped = (B, L, H // self.group, self.group)
+        base = self.base_kernel.reshape(2, self.kernel, *grouped[2:])
+        out = (base[which, 0] + dyn[:, :, which, 0]) * x.reshape(grouped)
+        for o in range(1, min(self.kernel, L)):
+            shifted = shift_rows(L, o, x.dtype) @ x  # row l holds x[l - o]; the first o zero
+            out = out + (base[which, o] + dyn[:, :, which, o]) * shifted.reshape(grouped)
+        return out.reshape(B, L, H)
+
+
+_SHIFTS: dict = {}
+
+
+def shift_rows(rows: int, by: int, dtype) -> mx.array:
+    """[rows, rows] 0/1 matrix S with (S @ x)[l] = x[l - by] (zero for l < by): exact for
+    finite x, since each output sums one product by 1 and zeros. Made from numpy and kept, so that a compiled graph holds
+    it as a constant and does not build it again every call."""
+    key = (rows, by, dtype)
+    if (s := _SHIFTS.get(key)) is None:
+        s = _SHIFTS[key] = mx.array(np.eye(rows, k=-by, dtype=np.float32), dtype=dtype)
+    return s
 
 
 class DraftLayer(nn.Module):
@@ -269,11 +306,13 @@ class DraftLayer(nn.Module):
             x = x + attend(self.input_layernorm(x))
             return x + self.mlp(self.post_attention_layernorm(x))
         y = self.input_layernorm(x)
-        ker = self.attention_conv.kernels(y)
-        x = x + DynamicConv.apply(attend(DynamicConv.apply(y, ker, 0)), ker, 1)
+        conv = self.attention_conv
+        ker = conv.kernels(y)
+        x = x + conv.apply(attend(conv.apply(y, ker, 0)), ker, 1)
         y = self.post_attention_layernorm(x)
-        ker = self.mlp_conv.kernels(y)
-        return x + DynamicConv.apply(self.mlp(DynamicConv.apply(y, ker, 0)), ker, 1)
+        conv = self.mlp_conv
+        ker = conv.kernels(y)
+        return x + conv.apply(self.mlp(conv.apply(y, ker, 0)), ker, 1)
 
 
 class DraftBody(nn.Module):
@@ -330,10 +369,15 @@ class DraftBody(nn.Module):
     def padded_context(self, cache: list[ContextCache], block_rows: int) -> list[mx.array]:
         """The compiled stack's context inputs for a block of `block_rows` rows: each layer's
         keys, values and block mask, its rows padded to the layer's bucket."""
+        # masks kept across rounds: every layer of a round shares one, and once the windows
+        # are full every round has the same
+        masks = self.__dict__.setdefault("_masks", {})
+        if len(masks) > 64:
+            masks.clear()
         out = []
         for layer, c in zip(self.layers, cache):
             attn = layer.self_attn
-            fetched = c.padded(c.bucket(), block_rows, attn.causal, attn.window)
+            fetched = c.padded(c.bucket(), block_rows, attn.causal, attn.window, masks)
             out += [fetched.keys, fetched.values, fetched.mask]
         return out
 
