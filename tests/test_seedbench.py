@@ -94,7 +94,8 @@ def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                SEED_DIR=str(tmp_path / "seed"), SPEC_ARGS="--max-tokens 12 --repeats 1",
                SEED_ARGS="--layers 2 --max-tokens 8 --repeats 1 --reps 1 --prompt-tokens 16",
-               VARIANT_ARGS="--layers 2 --max-tokens 8 --repeats 1 --reps 1 --prompt-tokens 16")  # fmt: skip
+               VARIANT_ARGS="--layers 2 --max-tokens 8 --repeats 1 --reps 1 --prompt-tokens 16",
+               TRACE_ARGS="--small --layers 2 --calls 1")  # fmt: skip
     run = subprocess.run(["bash", "deploy/gpu/run-seed-bench.sh"], cwd=root, env=env,
                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -103,6 +104,10 @@ def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
                 "projected speed-up at tau 5", "default pair b16 q8"):  # fmt: skip
         assert row in summary
     assert json.loads((tmp_path / "out" / "seed.json").read_text())["shape"].startswith("L2-")
+    trace = json.loads((tmp_path / "out" / "kernels.json").read_text())
+    assert not trace["kernels_counted"]  # no CUPTI on a CPU: wall times only
+    assert all(trace[p]["wall_ms"] > 0 for p in ("decode", "verify8_and_rollback", "draft_body"))
+    assert "| draft_body |" in summary
 
 
 def test_first_divergence_tells_a_near_tie_from_a_clear_margin(make_pair, monkeypatch):

@@ -10,6 +10,8 @@
 #                SEED_DIR (default ~/.cache/sanctum/seed), later runs reuse them    ~3-4 min (~2 reused)
 #   default-*    sanctum bench speculative, embedded pair, blocks 8 and 16, fp16 and q8      ~1.5 min
 #   cuda         sanctum bench cuda: fused GDN kernel vs mlx-lm's ops, Q8 attention, e2e     ~0.5 min
+#   kernels      deploy/gpu/kernel_trace.py: kernels and GPU busy time per piece of a round
+#                (16 target layers; counts where torch's profiler imports)                 ~0.5-1 min
 #   pytest-cuda  tests/test_cuda.py, when pytest imports                                     ~0.5 min
 #   mlx-*        a 16-layer target, plain vs mlx-lm and verify/decode, under MLX's own
 #                command-buffer settings (default, bigger buffers, no CUDA graphs)           ~2 min
@@ -19,7 +21,8 @@
 # compiled kernels are kept beside the checkpoints (MLX_PTX_CACHE_DIR, default
 # ~/.cache/sanctum/cuda-ptx; MLX's own default is under /tmp), so a later run skips that.
 # Knobs, for a smoke run on a CPU: SEED_ARGS (e.g. "--layers 2 --max-tokens 8"), SPEC_ARGS
-# (e.g. "--max-tokens 16 --repeats 1"), VARIANT_ARGS, SEED_DIR, PYTHON, DEADLINE.
+# (e.g. "--max-tokens 16 --repeats 1"), VARIANT_ARGS, TRACE_ARGS (e.g. "--small --layers 2"),
+# SEED_DIR, PYTHON, DEADLINE.
 set -uo pipefail
 out=${OUT:-/tmp/sanctum-seed-bench}
 py=${PYTHON:-python3}
@@ -61,6 +64,8 @@ for kv in fp16 q8; do
   done
 done
 step cuda json 40 "${bench[@]}" cuda --json
+# shellcheck disable=SC2086
+step kernels json 40 $py deploy/gpu/kernel_trace.py --dir "$seed_dir" ${TRACE_ARGS:---layers 16}
 if $py -c 'import pytest' 2>/dev/null; then
   step pytest-cuda txt 40 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
 fi

@@ -106,6 +106,16 @@ def main(out: Path) -> None:
                 f"| {name} | {get(d, 'plain_vs_mlx_lm')} | {get(d, 'plain_tok_s')} "
                 f"| {get(d, 'decode_ms')} | {get(d, 'verify_ratio', 8)} |"
             )
+    trace = load(out, "kernels")
+    pieces = [(k, v) for k, v in trace.items() if isinstance(v, dict) and "wall_ms" in v]
+    if pieces:
+        print(f"\n| piece ({get(trace, 'shape')}) | wall ms | GPU busy ms | kernels |")
+        print("|---|---|---|---|")
+        for name, d in pieces:
+            print(
+                f"| {name} | {get(d, 'wall_ms')} | {get(d, 'gpu_busy_ms')} "
+                f"| {get(d, 'kernels_per_call')} |"
+            )
     steps = out / "steps.txt"
     if steps.is_file():
         print("\nsteps: " + "; ".join(steps.read_text().split("\n")).strip("; "))
