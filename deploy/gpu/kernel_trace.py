@@ -35,6 +35,7 @@ from sanctum.engine.drafter import load_drafter
 from sanctum.engine.sampling import SamplingParams
 from sanctum.engine.speculative import Decoder, make_key
 from sanctum.engine.target import cache_offset, load_target
+from sanctum.settings import sanctum_home
 
 
 def _profiler():
@@ -84,13 +85,14 @@ def measure(fn, calls: int, warm: int, prof) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--dir", default=str(Path.home() / ".cache/sanctum/seed"))
+    ap.add_argument("--dir", help="bench seed's checkpoints (default: its own, under SANCTUM_HOME)")
     ap.add_argument("--small", action="store_true", help="bench seed's small shapes (a CPU)")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
     shape = replace(SMALL if args.small else SeedShape(), layers=args.layers)
-    target_dir, drafter_dir, _ = ensure(Path(args.dir), shape, lambda msg: None)
+    root = Path(args.dir).expanduser() if args.dir else sanctum_home() / "seed"
+    target_dir, drafter_dir, _ = ensure(root, shape, lambda msg: None)
     target = load_target(target_dir)
     drafter = load_drafter(drafter_dir, target, block_size=8)
     prof = _profiler()
