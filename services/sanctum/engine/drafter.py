@@ -82,7 +82,7 @@ class ContextCache:
         """The mask of a block of `num_rows` rows over these context rows and its own."""
         return block_attention_mask(self.num_rows, num_rows, causal, window)
 
-    def padded(self, rows: int, block_rows: int, causal: bool, window: int | None, masks=None):
+    def padded(self, rows: int, block_rows: int, causal: bool, window: int | None, masks: dict):
         """The context as `rows` rows (the real ones last, the pad rows in front masked out) and
         the block's mask over them: one shape for every round while the rows fit `rows`. The pad
         rows are the buffer's own rows in front of `begin` (a sliding layer's buffer keeps
@@ -93,7 +93,6 @@ class ContextCache:
         assert self.window is not None and 0 <= pad and rows <= self.end, (rows, self.end)
         keys = self.keys[..., self.end - rows : self.end, :]
         values = self.values[..., self.end - rows : self.end, :]
-        masks = {} if masks is None else masks
         key = (rows, block_rows, pad, causal, window)
         if (mask := masks.get(key)) is None:
             mask = masks[key] = padded_block_mask(*key)
@@ -276,8 +275,8 @@ _SHIFTS: dict = {}
 
 def shift_rows(rows: int, by: int, dtype) -> mx.array:
     """[rows, rows] 0/1 matrix S with (S @ x)[l] = x[l - by] (zero for l < by): exact for
-    finite x, since each output sums one product by 1 and zeros. Made from numpy and kept, so that a compiled graph holds
-    it as a constant and does not build it again every call."""
+    finite x, since each output sums one product by 1 and zeros. Made from numpy and kept, so
+    that a compiled graph holds it as a constant and does not build it again every call."""
     key = (rows, by, dtype)
     if (s := _SHIFTS.get(key)) is None:
         s = _SHIFTS[key] = mx.array(np.eye(rows, k=-by, dtype=np.float32), dtype=dtype)

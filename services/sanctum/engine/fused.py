@@ -81,12 +81,12 @@ class FusedProjection:
     def __call__(self, x: mx.array) -> list[mx.array]:
         a = self.arrays
         y = self.kernel(x, *a.values()) if self.kernel is not None else None
-        if y is None and self.quant is None:
-            y = x @ a["weight"].T
-        elif y is None:
-            y = mx.quantized_matmul(
-                x, a["weight"], a["scales"], a.get("biases"), transpose=True, **self.quant
-            )
+        if y is None:  # no kernel, or one that does not take x: MLX's matmul
+            if self.quant is None:
+                y = x @ a["weight"].T
+            else:
+                w, scales, biases = a["weight"], a["scales"], a.get("biases")
+                y = mx.quantized_matmul(x, w, scales, biases, transpose=True, **self.quant)
         return mx.split(y, self.splits, axis=-1)
 
 
