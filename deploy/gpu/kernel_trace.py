@@ -1,7 +1,7 @@
 """Kernels launched by each piece of a seed-scale round, and the GPU's busy time against the wall
 time: whether a piece is bound by the host (launching kernels) or by the device.
 
-    python3 deploy/gpu/kernel_trace.py [--layers 16] [--dir SEED_DIR] [--out trace.json]
+    python3 deploy/gpu/kernel_trace.py [--layers 16] [--dir SEED_DIR] [--out trace.json] [--wall-only]
 
 Pieces, each run alone and synced: one decode step, a verify of 8 rows and its rollback, a
 draft (body, head, selection), the draft's body, its head and selection, its head; then four
@@ -12,7 +12,9 @@ load time).
 
 Counting kernels needs CUPTI, read here through PyTorch's profiler (`torch.profiler`), which
 sees every CUDA kernel of the process, MLX's too. Where torch does not import (this project
-does not depend on it), or on the CPU, only wall times are given. Prints one JSON object.
+does not depend on it), or on the CPU, only wall times are given; `--wall-only` gives them
+without the profiler's own cost (to compare MLX's settings, e.g. MLX_CUDA_GRAPH_CACHE_SIZE, run
+by run). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -89,13 +91,14 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="bench seed's small shapes (a CPU)")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--wall-only", action="store_true", help="no profiler: wall times only")
     args = ap.parse_args()
     shape = replace(SMALL if args.small else SeedShape(), layers=args.layers)
     root = Path(args.dir).expanduser() if args.dir else sanctum_home() / "seed"
     target_dir, drafter_dir, _ = ensure(root, shape, lambda msg: None)
     target = load_target(target_dir)
     drafter = load_drafter(drafter_dir, target, block_size=8)
-    prof = _profiler()
+    prof = None if args.wall_only else _profiler()
     prompt = np.random.default_rng(0).integers(10, shape.vocab - 10, 128).tolist()
     tap_ids = tuple(shape.tap_ids)
     rng = np.random.default_rng(1)
