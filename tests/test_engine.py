@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from sanctum.engine.drafter import load_drafter
@@ -289,6 +290,35 @@ def test_target_forward_equals_mlx_lm_model(make_pair, kind):
         else:
             got, _ = target.forward(mx.array(piece), ours)
         np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("rows", [2, 8, 97])
+def test_block_conv_equals_mlx_lm_conv(make_pair, rows, dtype):
+    """A multi-row pass's causal conv (gdn.block_conv: shifted multiply-adds summed in float32)
+    gives what mlx-lm's grouped conv1d gives, op by op and compiled with the SiLU after it: bit
+    for bit in bf16; in float32 to its last bits, which OpenBLAS (preloaded: the conv's matrix
+    product) sums in another order (bit for bit under MLX's own BLAS)."""
+    from sanctum.engine.gdn import block_conv
+
+    target, _ = load_pair(make_pair, "hybrid", "dflash")
+    mod = target.layers[target.is_gdn.index(True)].linear_attn
+    shape = (2, mod.conv_kernel_size - 1 + rows, mod.conv_dim)
+    x = mx.random.normal(shape, key=mx.random.key(rows))
+    weight = mod.conv1d.weight
+    try:
+        mod.conv1d.weight = weight.astype(dtype)
+        x = x.astype(dtype)
+        want = mod.conv1d(x)
+        fused = mx.compile(lambda x: nn.silu(block_conv(mod, x)))(x)
+        assert block_conv(mod, x).dtype == fused.dtype == dtype
+        for got, ref in ((block_conv(mod, x), want), (fused, nn.silu(want))):
+            if dtype == mx.bfloat16:
+                assert mx.array_equal(got, ref).item()
+            else:
+                np.testing.assert_allclose(np.array(got), np.array(ref), rtol=2e-6, atol=1e-6)
+    finally:
+        mod.conv1d.weight = weight
 
 
 def test_sliding_drafter_gets_only_its_window(make_pair, tmp_path):
