@@ -249,9 +249,12 @@ def test_dflash2_greedy_selection_of_a_batch_equals_each_alone(tiny_vocab_pairs,
 @pytest.mark.parametrize("vocab", [248320, 40001])
 @pytest.mark.parametrize("k", [16, 128])
 def test_two_stage_top_candidates_are_the_top_k(vocab, k):
-    """The GPU's two-stage top-k (per chunk, then over the chunks' picks; a last chunk padded)
-    picks the same set as one partition of the whole row."""
-    from sanctum.engine.drafter import top_candidates
+    """The GPU's two-stage top-k (per chunk, then over the chunks' picks) picks the same set as
+    one partition of the whole row: Qwen3.5's vocabulary in chunks that divide it, 40001 (no
+    divisor near CHUNK) with its last chunk padded."""
+    from sanctum.engine.drafter import CHUNK, chunk_length, top_candidates
+
+    assert chunk_length(vocab) == {248320: 970, 40001: CHUNK}[vocab]
 
     logits = mx.random.normal((2, 3, vocab), key=mx.random.key(vocab + k))
     got = np.sort(np.array(top_candidates(logits, k, two_stage=True)), axis=-1)
