@@ -386,13 +386,16 @@ def block_conv(mod: nn.Module, conv_input: mx.array) -> mx.array:
     kernel with copies around it. Its values differ from the conv's in the last bits (summation
     order), like the chunked recurrence's; a decode step keeps mlx-lm's conv, so that plain
     decoding stays mlx-lm's."""
-    w = mod.conv1d.weight.astype(mx.float32)  # [C, K, 1]
+    w = mod.conv1d.weight  # [C, K, 1]
     K = w.shape[1]
     S = conv_input.shape[1] - K + 1
-    x = conv_input.astype(mx.float32)
-    out = x[:, :S] * w[:, 0, 0]
+
+    def term(j):  # cast after slicing: the casts fuse with the sums (a cast slice is a copy)
+        return conv_input[:, j : j + S].astype(mx.float32) * w[:, j, 0].astype(mx.float32)
+
+    out = term(0)
     for j in range(1, K):
-        out = out + x[:, j : j + S] * w[:, j, 0]
+        out = out + term(j)
     if "bias" in mod.conv1d:
         out = out + mod.conv1d.bias.astype(mx.float32)
     return out.astype(conv_input.dtype)
