@@ -105,15 +105,13 @@ def test_drafter_equals_reference(layout, step, target, tmp_path, monkeypatch):
         assert len(buckets) >= 2  # padded shapes below the window, then the window itself
 
 
-@pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("kernel", [2, 3])
-def test_dynamic_conv_equals_repeat_and_zero_padded_shifts(kernel, dtype, gather, monkeypatch):
-    """DFlash 2's convolution, computed with grouped broadcasts and rows shifted by a gather
-    or a 0/1 shift matrix (no copies, on a GPU a draft's launches), gives bit for bit what the
-    plain reading gives: each weight repeated over its channel group, each row's predecessors
-    zero-padded before the block."""
-    monkeypatch.setattr(drafter_module, "SHIFT_BY_GATHER", gather)
+def test_dynamic_conv_equals_repeat_and_zero_padded_shifts(kernel, dtype):
+    """DFlash 2's convolution, computed with grouped broadcasts and 0/1 shift matrices (no
+    copies, on a GPU a draft's launches), gives bit for bit what the plain reading gives: each
+    weight repeated over its channel group, each row's predecessors zero-padded before the
+    block."""
     B, L, H, group = 2, 6, 32, 8
     conv = drafter_module.DynamicConv(H, kernel, group)
     rng = np.random.default_rng(0)

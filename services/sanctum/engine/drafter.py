@@ -248,10 +248,9 @@ class DynamicConv(nn.Module):
 
     # Every group of `group` channels shares one dynamic weight: x is seen as
     # [B, L, H / group, group] and the weights broadcast over the last axis; a row's
-    # predecessors come from `shift_rows`. Both keep a draft's kernel count down on a GPU,
+    # predecessors come from a 0/1 shift matrix. Both keep a draft's kernel count down on a GPU,
     # where a drafter layer is bound by kernel launches, not arithmetic: no copy for a repeat,
-    # no fill and concatenation for a shift. The values are bit for bit those of a repeat and
-    # zero-padded shifts.
+    # none for a shift. The values are bit for bit those of a repeat and zero-padded shifts.
 
     def kernels(self, x: mx.array) -> mx.array:
         """The dynamic part of each row's kernels: [B, L, 2, K, H / group, 1]."""
@@ -266,36 +265,22 @@ class DynamicConv(nn.Module):
         base = self.base_kernel.reshape(2, self.kernel, *grouped[2:])
         out = (base[which, 0] + dyn[:, :, which, 0]) * x.reshape(grouped)
         for o in range(1, min(self.kernel, L)):
-            shifted = shift_rows(x, o)  # row l holds x[l - o]; the first o zero
+            shifted = shift_rows(L, o, x.dtype) @ x  # row l holds x[l - o]; the first o zero
             out = out + (base[which, o] + dyn[:, :, which, o]) * shifted.reshape(grouped)
         return out.reshape(B, L, H)
 
 
 _SHIFTS: dict = {}
-# How a row's predecessor is fetched: one gather (True) or a 0/1 shift matrix's batched matmul
-# (False); None: a gather on a GPU (one kernel against two), the matmul on the CPU (10 us
-# against ~40 for MLX's gather there). Bit for bit the same.
-SHIFT_BY_GATHER: bool | None = None
 
 
-def shift_rows(x: mx.array, by: int) -> mx.array:
-    """x [B, L, H] with row l holding x[l - by], zero for l < by: exact for finite x (a copy
-    times 1 or 0, or sums of one product by 1 and zeros). The constants are made from numpy
-    and kept, so that a compiled graph holds them and does not build them every call."""
-    rows = x.shape[1]
-    gather = SHIFT_BY_GATHER if SHIFT_BY_GATHER is not None else mx.default_device() == mx.gpu
-    key = (rows, by, x.dtype, gather)
+def shift_rows(rows: int, by: int, dtype) -> mx.array:
+    """[rows, rows] 0/1 matrix S with (S @ x)[l] = x[l - by] (zero for l < by): exact for
+    finite x, since each output sums one product by 1 and zeros. Made from numpy and kept, so
+    that a compiled graph holds it as a constant and does not build it again every call."""
+    key = (rows, by, dtype)
     if (s := _SHIFTS.get(key)) is None:
-        if gather:
-            index = np.maximum(np.arange(rows) - by, 0).astype(np.int32)
-            keep = (np.arange(rows) >= by).astype(np.float32)[:, None]
-            s = (mx.array(index), mx.array(keep, dtype=x.dtype))
-        else:
-            s = mx.array(np.eye(rows, k=-by, dtype=np.float32), dtype=x.dtype)
-        _SHIFTS[key] = s
-    if gather:
-        return mx.take(x, s[0], axis=1) * s[1]
-    return s @ x
+        s = _SHIFTS[key] = mx.array(np.eye(rows, k=-by, dtype=np.float32), dtype=dtype)
+    return s
 
 
 class DraftLayer(nn.Module):
@@ -441,9 +426,10 @@ def top_candidates(logits: mx.array, k: int, two_stage: bool | None = None) -> m
     """The indices of the k largest logits of each row ([..., V] -> [..., k], in no order).
 
     `two_stage` (default: on a GPU, over a vocabulary above TWO_STAGE_VOCAB): each chunk of
-    `chunk_length` logits its own top k, then the top k of those. It is exact (a row's top k are each in
-    their chunk's top k); on a GPU, where a partition of a 248K-long row sorts it, sorting short
-    rows is far cheaper. (On the CPU a partition is linear: one stage is faster there.)"""
+    `chunk_length` logits its own top k, then the top k of those. It is exact (a row's top k
+    are each in their chunk's top k); on a GPU, where a partition of a 248K-long row sorts it,
+    sorting short rows is far cheaper. (On the CPU a partition is linear: one stage is faster
+    there.)"""
     V = logits.shape[-1]
     if two_stage is None:
         two_stage = mx.default_device() == mx.gpu and V > TWO_STAGE_VOCAB
