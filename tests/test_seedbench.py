@@ -135,6 +135,20 @@ def test_first_divergence_tells_a_near_tie_from_a_clear_margin(make_pair, monkey
     )
 
 
+def test_logit_step_is_one_unit_in_the_last_place():
+    """The near-tie rule's floor: bf16 logits near 6 are 1/32 apart, fp16 1/256, fp32 2^-21."""
+    import mlx.core as mx
+    from sanctum.bench.decode import logit_step
+
+    assert logit_step(6.0, mx.bfloat16) == 1 / 32
+    assert logit_step(6.0, mx.float16) == 1 / 256
+    assert logit_step(6.0, mx.float32) == 2.0**-21
+    # 6 and 6 + 1/32 are neighbours in bf16: half a step rounds to one of them
+    assert mx.array(6.0 + 1 / 32, mx.bfloat16).item() == 6.0 + 1 / 32
+    assert mx.array(6.0 + 1 / 64, mx.bfloat16).item() in (6.0, 6.0 + 1 / 32)
+    assert logit_step(0.0, mx.bfloat16) == 0.0
+
+
 def test_bench_speculative_reports_the_split_and_no_divergence_on_the_cpu(make_pair):
     """bench speculative on a tiny pair: the figures, the round split, greedy speculative ==
     plain (the CPU computes a verify row as a decode step does), so no divergence to report."""

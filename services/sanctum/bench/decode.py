@@ -3,6 +3,7 @@ process, the same prompts interleaved, EOS ignored so that every run has the sam
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import TYPE_CHECKING
@@ -61,10 +62,19 @@ def _tau(rounds: list[RoundStats]) -> float:
 
 
 # A divergence counts as a near-tie when the two tokens' logits, from one fresh forward over the
-# plain run's tokens, are this close relative to the largest logit. A verify row and a decode
-# step take different kernels on a GPU, so the logits differ in their last bits and a near-tie
-# can flip; a bug in the rollback or the caches shows as a clear margin.
+# plain run's tokens, are this close relative to the largest logit, or no further apart than
+# one step of the logits' own format at that size (bf16 logits near 6 are multiples of 1/32:
+# two a step apart are as close as bf16 can tell). A verify row and a decode step take
+# different kernels on a GPU, so the logits differ in their last bits and a near-tie can flip;
+# a bug in the rollback or the caches shows as a clear margin.
 NEAR_TIE = 2e-3
+_MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23}
+
+
+def logit_step(scale: float, dtype) -> float:
+    """The spacing of `dtype`'s values at magnitude `scale` (one unit in the last place)."""
+    bits = _MANTISSA_BITS.get(str(dtype).rsplit(".", 1)[-1], 23)
+    return 2.0 ** (math.floor(math.log2(scale)) - bits) if scale > 0 else 0.0
 
 
 def first_divergence(target, ids: list[int], plain: list[int], spec: list[int], kv: str) -> dict:
@@ -78,7 +88,8 @@ def first_divergence(target, ids: list[int], plain: list[int], spec: list[int], 
     row = logits[-1].astype(mx.float32)
     margin = abs((row[plain[i]] - row[spec[i]]).item())
     scale = mx.abs(row).max().item()
-    return {"at": i, "margin": round(margin, 6), "near_tie": margin <= NEAR_TIE * scale}
+    tie = max(NEAR_TIE * scale, logit_step(scale, logits.dtype))
+    return {"at": i, "margin": round(margin, 6), "near_tie": margin <= tie}
 
 
 def speculative(args) -> dict:
