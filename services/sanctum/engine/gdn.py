@@ -363,10 +363,6 @@ def _gdn_math(mod: nn.Module, x: mx.array, conv_state: mx.array, state_in: mx.ar
         y, state = gated_delta_ops(q, k, v, mx.exp(log_g), beta, state_in)
         extra = ()
     else:
-        if _block_kernel(S) is not None:
-            # the kernel takes float32: cast here (fused), and tape the casts, so that a
-            # rollback's re-run launches the kernel alone
-            q, k, v, beta = (t.astype(mx.float32) for t in (q, k, v, beta))
         if taped and _row_states_tape(S):
             y, state, rows = BLOCK_KERNEL(q, k, v, mx.exp(log_g), beta, state_in, keep_rows=True)
             extra = (rows,)

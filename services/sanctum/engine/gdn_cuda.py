@@ -28,12 +28,14 @@ _SOURCE = """
     const int hk = hv / (Hv / Hk);
     constexpr int NPT = Dk / 32;
 
-    const float* q_ = q + (size_t)b * n_steps * Hk * Dk + hk * Dk + NPT * lane;
-    const float* k_ = k + (size_t)b * n_steps * Hk * Dk + hk * Dk + NPT * lane;
-    const float* v_ = v + (size_t)b * n_steps * Hv * Dv + hv * Dv + dv;
-    float* y_ = y + (size_t)b * n_steps * Hv * Dv + hv * Dv + dv;
+    // q, k, v, beta and y in the activations' dtype (bf16, fp16 or float32), read into and
+    // summed in float32: no cast kernels around the launch
+    const auto* q_ = q + (size_t)b * n_steps * Hk * Dk + hk * Dk + NPT * lane;
+    const auto* k_ = k + (size_t)b * n_steps * Hk * Dk + hk * Dk + NPT * lane;
+    const auto* v_ = v + (size_t)b * n_steps * Hv * Dv + hv * Dv + dv;
+    auto* y_ = y + (size_t)b * n_steps * Hv * Dv + hv * Dv + dv;
     const float* g_ = g + (size_t)b * n_steps * Hv + hv;
-    const float* beta_ = beta + (size_t)b * n_steps * Hv + hv;
+    const auto* beta_ = beta + (size_t)b * n_steps * Hv + hv;
     const float* s_in = state_in + ((size_t)n * Dv + dv) * Dk + NPT * lane;
     float* s_out = state_out + ((size_t)n * Dv + dv) * Dk + NPT * lane;
 
@@ -46,22 +48,22 @@ _SOURCE = """
       float kv = 0.0f;
       for (int i = 0; i < NPT; ++i) {
         s[i] = s[i] * gt;
-        kv += s[i] * k_[i];
+        kv += s[i] * static_cast<float>(k_[i]);
       }
       for (int off = 16; off > 0; off >>= 1) {
         kv += __shfl_xor_sync(0xffffffff, kv, off);
       }
-      const float delta = (*v_ - kv) * (*beta_);
+      const float delta = (static_cast<float>(*v_) - kv) * static_cast<float>(*beta_);
       float out = 0.0f;
       for (int i = 0; i < NPT; ++i) {
-        s[i] = s[i] + k_[i] * delta;
-        out += s[i] * q_[i];
+        s[i] = s[i] + static_cast<float>(k_[i]) * delta;
+        out += s[i] * static_cast<float>(q_[i]);
       }
       for (int off = 16; off > 0; off >>= 1) {
         out += __shfl_xor_sync(0xffffffff, out, off);
       }
       if (lane == 0) {
-        *y_ = out;
+        *y_ = out;  // rounded to y's dtype as astype rounds (to nearest even)
       }
       SAVE_ROW
       q_ += Hk * Dk;
@@ -115,15 +117,18 @@ def gated_delta_cuda(
         )
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
-    f32 = mx.float32  # all in float32: the casts are a few small fused ops, the kernel one type
+    f32 = mx.float32
+    # q, k, v, beta as they come (their casts were a copy kernel each: q and k come from
+    # rms_norm, which no cast fuses into), y in q's dtype; the decay and the state in float32
+    dtype = q.dtype
     outs = kernel(
         inputs=[
-            q.astype(f32),
-            k.astype(f32),
-            v.astype(f32),
-            g.astype(mx.float32),
-            beta.astype(mx.float32),
-            state.astype(mx.float32),
+            q,
+            k.astype(dtype),
+            v.astype(dtype),
+            g.astype(f32),
+            beta.astype(dtype),
+            state.astype(f32),
             mx.array([T], dtype=mx.int32),
         ],
         template=[("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
@@ -131,9 +136,9 @@ def gated_delta_cuda(
         threadgroup=(32, ROWS_PER_BLOCK, 1),
         output_shapes=[(B, T, Hv, Dv), (B, Hv, Dv, Dk)]
         + ([(B, T, Hv, Dv, Dk)] if keep_rows else []),
-        output_dtypes=[f32] * (3 if keep_rows else 2),
+        output_dtypes=[dtype] + [f32] * (2 if keep_rows else 1),
     )
-    return (outs[0].astype(q.dtype), *outs[1:])
+    return tuple(outs)
 
 
 def reference(q, k, v, g, beta, state, keep_rows: bool = False) -> tuple[mx.array, ...]:
