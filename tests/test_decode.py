@@ -453,3 +453,26 @@ def test_drop_compiled_traces_the_forward_again(pair):
         layer.mlp.__class__ = original
         target.drop_compiled()
     np.testing.assert_array_equal(got, want)
+
+
+def test_host_made_causal_mask_attends_as_causal(monkeypatch):
+    """On CUDA a multi-row pass takes its causal mask as a boolean array made once on the host
+    (cuda.attention_mask), not MLX's "causal" (built again in every attention layer there):
+    the attention is the same, a decode step keeps no mask, and off CUDA "causal" stays."""
+    from mlx_lm.models.cache import KVCache
+    from sanctum.engine import cuda
+
+    cache = KVCache()
+    past = mx.random.normal((1, 2, 37, 64), key=mx.random.key(0))
+    cache.update_and_fetch(past, past)
+    rows = mx.zeros((1, 8, 16))
+    assert cuda.attention_mask(rows, cache) == "causal"  # this CPU
+    monkeypatch.setattr(cuda, "is_cuda", lambda: True)
+    mask = cuda.attention_mask(rows, cache)
+    assert mask.shape == (8, 45) and mask.dtype == mx.bool_
+    assert cuda.attention_mask(rows[:, :1], cache) is None
+    q, k, v = (mx.random.normal(s, key=mx.random.key(i)) for i, s in
+               enumerate([(1, 4, 8, 64), (1, 2, 45, 64), (1, 2, 45, 64)], 1))  # fmt: skip
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    assert mx.array_equal(got, want).item()

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models import qwen3, qwen3_moe
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
-from . import fused
+from . import cuda, fused
 from .drafter import ContextCache, DraftBody, block_attention_mask
 from .gdn import GDNBatchTape, _math_for, batch_tape_entry, cache_states
 from .target import BatchTape, DequantizedView, Target, VerifyTape, cache_offset
@@ -49,7 +49,7 @@ def verify_batch(
     gdn_tapes: list[GDNBatchTape] = []
     h = target.embed_tokens(blocks)  # [N, L, H]
     first = target._first_attn
-    masks = [create_attention_mask(h[:1], c[first]) if first is not None else None for c in caches]
+    masks = [cuda.attention_mask(h[:1], c[first]) if first is not None else None for c in caches]
     wanted: dict[int, mx.array | None] = {layer_id: None for layer_id in tap_ids}
     for i, layer in enumerate(target.layers):
         x = layer.input_layernorm(h)

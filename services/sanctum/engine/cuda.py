@@ -34,6 +34,8 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
+from mlx_lm.models.base import create_attention_mask
 
 from . import gdn, gdn_cuda, qmm_cuda
 
@@ -170,6 +172,19 @@ def verify_width(width: int, blocks: int = 1) -> int:
     if not is_cuda():
         return width
     return max(width, -(-MATRIX_ROWS // blocks))
+
+
+def attention_mask(h: mx.array, cache) -> mx.array | str | None:
+    """mlx-lm's attention mask for rows `h` [B, S, H] on top of an attention layer's `cache`;
+    on CUDA a multi-row pass's "causal" as a boolean array made on the host, once a forward:
+    given "causal", MLX CUDA's attention fallback builds the mask in every attention layer
+    (two aranges and a comparison: three kernels a layer of a verify, bound by its launches).
+    The same mask either way (row i sees the keys up to the cache's offset + i)."""
+    mask = create_attention_mask(h, cache)
+    if not (isinstance(mask, str) and mask == "causal" and is_cuda()):
+        return mask
+    rows, offset = h.shape[1], cache.offset
+    return mx.array(np.arange(offset, offset + rows)[:, None] >= np.arange(offset + rows)[None])
 
 
 def pad_rows(x: mx.array, multiple: int = 8) -> mx.array:

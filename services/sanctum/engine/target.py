@@ -13,7 +13,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
@@ -155,7 +154,7 @@ class Target:
         h = self.embed_tokens(tokens[None])  # [1, S, H]
         S = h.shape[1]
         attn_mask = (
-            create_attention_mask(h, cache[self._first_attn])
+            cuda.attention_mask(h, cache[self._first_attn])
             if self._first_attn is not None
             else None
         )
