@@ -76,11 +76,14 @@ def measure(fn, calls: int, warm: int, prof) -> dict:
             count_us[0] += 1
             count_us[1] += event.device_time_total
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]
+    by_count = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     return {
         "wall_ms": wall,
         "gpu_busy_ms": round(sum(us for _, us in kernels.values()) / calls / 1000, 3),
         "kernels_per_call": round(sum(n for n, _ in kernels.values()) / calls, 1),
         "top": [[name, round(n / calls, 1), round(us / calls / 1000, 3)] for name, (n, us) in top],
+        # every kernel a call launches, most launched first: what a fusion would remove
+        "counts": {name[:80]: round(n / calls, 1) for name, (n, _) in by_count},
     }
 
 
