@@ -628,15 +628,18 @@ def test_speculation_gate_steps_plainly_below_its_threshold_and_tries_again(make
     assert gated[w + 3 * p + 1] > 1
 
 
-def test_speculation_gate_in_a_batch_equals_alone(make_pair):
-    """Gated sequences of a shared round take the plain steps they take alone (several of them in
-    one forward): seeded sampling and greedy outputs equal to each served alone, with the gate
-    tripping."""
+@pytest.mark.parametrize("sampled_gate", [4.5, 0.0])
+def test_speculation_gate_in_a_batch_equals_alone(make_pair, sampled_gate):
+    """Gated sequences of a shared round take the plain steps they take alone: in the drafted
+    blocks' verify forward as blocks of their anchor alone, or, in a round where none drafts,
+    several of them in one forward of their own. Seeded sampling and greedy outputs equal to
+    each served alone, with the gate tripping: every sequence's (both forms of plain step
+    occur), or the greedy one's only (its plain steps beside the sampled ones' blocks)."""
     target, drafter = load_pair(make_pair, "hybrid", "dflash2")
 
     def decoder():
         d = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
-        d.min_tau = d.min_tau_sampled = 4.5
+        d.min_tau, d.min_tau_sampled = 4.5, sampled_gate
         return d
 
     params = [
@@ -645,7 +648,7 @@ def test_speculation_gate_in_a_batch_equals_alone(make_pair):
         SamplingParams(0.7, seed=9),
     ]
     specs = [(f"s{i}", PROMPTS[i], 48, "fp16", (), p) for i, p in enumerate(params)]
-    tripped, together = [], []
+    tripped, together, joined = [], [], []
     d = decoder()
     watch = d._watch
     d._watch = lambda seq, step: (watch(seq, step), tripped.append(seq.plain_left > 0))
@@ -654,8 +657,17 @@ def test_speculation_gate_in_a_batch_equals_alone(make_pair):
         together.append(len(idx)),
         plain_steps(seqs, keys, idx, steps),
     )
+    verify_all = d._verify_all
+    d._verify_all = lambda drafted, draft_s, steps, gated: (
+        joined.append(len(gated)),
+        verify_all(drafted, draft_s, steps, gated),
+    )
     got, _ = run_batch(d, target, specs)
-    assert any(tripped) and max(together) >= 2  # gated sequences stepped in one forward too
+    assert any(tripped)
+    if sampled_gate:
+        assert max(together) >= 2  # gated sequences stepped in one forward of their own
+    else:
+        assert max(joined) >= 1  # a gated sequence stepped in the drafted blocks' verify
     for spec in specs:
         alone, _ = run_batch(decoder(), target, [spec])
         assert got[spec[0]] == alone[spec[0]], spec[0]

@@ -31,7 +31,8 @@ class BatchDecoder(Decoder):
         width shrank some) drafted in one drafter forward, and all blocks verified in ONE
         target forward (the narrower ones padded at their end). Each sequence's output is what
         `step` gives it alone: its own key, width, acceptance, commit and rollback. Sequences
-        that cannot draft now (a drafter that is down) take a plain step instead."""
+        the speculation gate has step plainly take their plain steps in that forward too;
+        sequences that cannot draft now (a drafter that is down) take a plain step instead."""
         if self.peer is None or self.block_size <= 1 or self.profile or len(seqs) < 2:
             return [self.step(seq, key) for seq, key in zip(seqs, keys)]
         steps: dict[int, Step] = {}
@@ -42,20 +43,23 @@ class BatchDecoder(Decoder):
                 plain.append(i)
             else:
                 groups.setdefault(self.width(seq), []).append(i)
-        self._plain_steps(seqs, keys, plain, steps)
         t0 = time.perf_counter()
         drafted = []  # (index, seq, drafts [width-1], q, accept key)
         for idx in groups.values():
             drafted += self._draft_group([seqs[i] for i in idx], [keys[i] for i in idx], idx, steps)
         if drafted:
-            self._verify_all(drafted, time.perf_counter() - t0, steps)
+            gated = [(i, seqs[i], keys[i]) for i in plain]
+            self._verify_all(drafted, time.perf_counter() - t0, steps, gated)
             for i, seq, *_ in drafted:
                 self._watch(seq, steps[i])
+        else:
+            self._plain_steps(seqs, keys, plain, steps)
         return [steps[i] for i in range(len(seqs))]
 
     def _plain_steps(self, seqs, keys, idx: list[int], steps: dict) -> None:
-        """The plain steps of the gated sequences `idx`, in one target forward ([N, 1]; one
-        sequence: `_plain_step`): each samples its token with its own key, as `step` does."""
+        """The plain steps of the gated sequences `idx` in a round where none drafts, in one
+        target forward ([N, 1]; one sequence: `_plain_step`): each samples its token with its
+        own key, as `step` does."""
         if len(idx) <= 1:
             for i in idx:
                 steps[i] = self._plain_step(seqs[i], keys[i], gated=True)
@@ -82,21 +86,24 @@ class BatchDecoder(Decoder):
                 drafted.append((i, seq, *proposal, k_acc))
         return drafted
 
-    def _verify_all(self, drafted: list, draft_s: float, steps: dict) -> None:
+    def _verify_all(self, drafted: list, draft_s: float, steps: dict, gated: list) -> None:
         """Verify every drafted block in one target forward, settle each sequence, then roll
-        all of them back together (`Target.rollback_batch`)."""
+        all of them back together (`Target.rollback_batch`). The `gated` sequences (index,
+        seq, key) take their plain steps in the same forward, as blocks of their anchor alone:
+        a forward of their own cost a round's fixed part again (on a GPU all its launches),
+        where a block of one row costs its padded rows; the rollback keeps that row."""
         t1 = time.perf_counter()
         blocks = [
             mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
             for _, seq, drafts, _, _ in drafted
-        ]
+        ] + [mx.array([seq.anchor]) for _, seq, _ in gated]
         widths = [b.shape[0] for b in blocks]
         L = cuda.verify_width(max(widths), len(blocks))
         padded = mx.stack([mx.pad(b, (0, L - b.shape[0])) for b in blocks])  # [N, L]
-        caches = [seq.cache for _, seq, _, _, _ in drafted]
+        caches = [seq.cache for _, seq, *_ in drafted + gated]
         outs, tape = verify_batch(self.target, padded, caches, self.tap_ids, widths)
         # the shared phases' wall time, split over the batch
-        draft_s, verify_s = draft_s / len(drafted), (time.perf_counter() - t1) / len(drafted)
+        draft_s, verify_s = draft_s / len(drafted), (time.perf_counter() - t1) / len(blocks)
         self._deferred = []
         try:
             for (i, seq, drafts, q, k_acc), block, out in zip(drafted, blocks, outs):
@@ -105,13 +112,16 @@ class BatchDecoder(Decoder):
             deferred = self._deferred
         finally:
             self._deferred = None
+        for (i, seq, key), (logits, taps, _) in zip(gated, outs[len(drafted) :]):
+            steps[i] = self._settle_plain(seq, logits, taps, key, time.perf_counter(), gated=True)
+            steps[i].stats.verify_s = verify_s
         self._prefetch_together(deferred)  # the drafter works while the caches roll back
         settled = [steps[i] for i, *_ in drafted]
         t2 = time.perf_counter()
-        keeps = [len(step.tokens) for step in settled]
+        keeps = [len(step.tokens) for step in settled] + [1] * len(gated)  # a plain step's row
         self._queue_rollback(self.target.rollback_batch(caches, tape, keeps))
-        rollback_s = (time.perf_counter() - t2) / len(drafted)
-        for step in settled:
+        rollback_s = (time.perf_counter() - t2) / len(blocks)
+        for step in settled + [steps[i] for i, *_ in gated]:
             step.stats.rollback_s = rollback_s
 
     def _prefetch(self, seq: Sequence, start: int) -> None:
