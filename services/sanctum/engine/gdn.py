@@ -377,8 +377,8 @@ def _gdn_math(mod: nn.Module, x: mx.array, conv_state: mx.array, state_in: mx.ar
 def block_conv(mod: nn.Module, conv_input: mx.array) -> mx.array:
     """mlx-lm's causal depthwise conv (`mod.conv1d`) as K multiply-adds of shifted
     rows, summed in float32 and rounded once, as a conv kernel sums: in a compiled pass one
-    fused kernel with the SiLU after it. MLX's grouped conv1d is slower on the CPU (8 rows
-    ~0.26 ms a layer against ~0.15, 512 rows 19 against 10; this CPU) and on CUDA runs cuDNN's
+    fused kernel with the SiLU after it. MLX's grouped conv1d is slower on the CPU (about
+    twice as slow at 8 and at 512 rows in a timing on this machine) and on CUDA runs cuDNN's
     kernel with copies around it. Its values differ from the conv's in the last bits (summation
     order), like the chunked recurrence's; a decode step keeps mlx-lm's conv, so that plain
     decoding stays mlx-lm's."""
