@@ -57,6 +57,7 @@ def test_bench_seed_layers_4_json_runs_on_the_cpu(tmp_path):
     split = r["round_ms"]
     assert set(split) == {"draft", "verify", "rollback", "other", "total"}
     assert split["total"] == pytest.approx(sum(v for k, v in split.items() if k != "total"), 0.01)
+    assert set(r["round_ms_median"]) == set(split) and r["round_ms_median"]["verify"] > 0
     assert r["break_even_tau"] > 0
     pieces = r["draft_pieces_ms"]  # the draft phase's synced pieces: within the phase
     assert set(pieces) == {"inputs", "body_build", "body", "head", "select"}

@@ -59,6 +59,11 @@ def main(out: Path) -> None:
             "(before/after)",
         ),
         ("seed: round ms (draft, verify, rollback, other)", get(seed, "round_ms"), "(was 135)"),
+        (
+            "seed: round ms, median rounds",
+            get(seed, "round_ms_median"),
+            "a mean above: slow rounds",
+        ),
         ("seed: round shares", get(seed, "round_share"), "draft <= 0.15, rollback <= 0.05"),
         ("seed: draft pieces ms (synced)", get(seed, "draft_pieces_ms"), "where the draft goes"),
         ("seed: break-even tau", get(seed, "break_even_tau"), "<= 1.6 (was 2.8)"),

@@ -133,13 +133,15 @@ def verify_costs(target, prompt: list[int], tap_ids, reps: int, kv: str) -> tupl
     return out, cache
 
 
-def _round_split(stats) -> dict:
+PHASES = ("draft", "verify", "rollback", "other")
+
+
+def _round_split(stats, middle=statistics.fmean) -> dict:
+    """Each phase's ms a speculative round (the rounds' mean, or `middle` of them), and their
+    total; zeros without a speculative round."""
     spec = [s for s in stats if s.bs > 1]
-    n = max(1, len(spec))
-    split = {
-        p: round(1000 * sum(getattr(s, f"{p}_s") for s in spec) / n, 3)
-        for p in ("draft", "verify", "rollback", "other")
-    }
+    split = {p: round(1000 * middle([getattr(s, f"{p}_s") for s in spec]), 3) if spec else 0.0
+             for p in PHASES}  # fmt: skip
     split["total"] = round(sum(split.values()), 3)
     return split
 
@@ -225,10 +227,13 @@ def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_
     forced.profile = True
     _decode(forced, prompt, 2 * L, kv)
     forced.draft_pieces.clear()
-    split = _round_split(_decode(forced, prompt, n, kv)[1])
+    rounds = _decode(forced, prompt, n, kv)[1]
+    split = _round_split(rounds)
     total = split["total"]
     out = {
         "round_ms": split,
+        # the same, each phase's median round: a mean well above it means a few slow rounds
+        "round_ms_median": _round_split(rounds, statistics.median),
         # the draft phase's pieces, each synced (Decoder._draft_piece): where its time goes
         "draft_pieces_ms": {
             k: round(1000 * statistics.median(v), 3) for k, v in forced.draft_pieces.items()
