@@ -17,6 +17,7 @@ Knows nothing about drafters, scheduling, Ray or gRPC.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models import qwen3, qwen3_moe
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
@@ -170,15 +171,7 @@ def draft_batch(
     """`DraftBody.__call__` over N sequences at once: their new context rows go into each
     sequence's own context cache, then the N blocks run the layers together (attention per
     sequence on its own context, as `verify_batch` does for the target)."""
-    keep = body.context_rows_needed()
-    for taps, start, cache in zip(new_taps, starts, caches):
-        if taps is None or taps.shape[0] == 0:
-            continue
-        if keep is not None:
-            taps = taps[-keep:]
-        ctx = body.hidden_norm(body.fc(taps[None]))
-        for layer, c in zip(body.layers, cache):
-            layer.self_attn.add_context(ctx, start - taps.shape[0], c)
+    _add_contexts(body, caches, new_taps, starts)
     h = block_embeds
     if body.cfg.input_embedding_scale != 1.0:
         h = h * body.cfg.input_embedding_scale
@@ -205,6 +198,32 @@ def draft_batch(
         layer_caches = [c[i] for c in caches]
         h = layer.run(h, lambda y, a=layer.self_attn, cs=layer_caches: _attend(a, y, starts, cs))
     return body.norm(h)
+
+
+def _add_contexts(body: DraftBody, caches, new_taps: list, starts: list[int]) -> None:
+    """Each sequence's new context rows into its own context caches, their products made once
+    for all: fc and hidden_norm over every new row, each layer's k and v projections too; RoPE
+    at each sequence's positions and the appends per sequence. (A sequence at a time paid the
+    products' fixed cost once per sequence.)"""
+    keep = body.context_rows_needed()
+    parts = []  # (cache, taps, position of the first new row)
+    for taps, start, cache in zip(new_taps, starts, caches):
+        if taps is None or taps.shape[0] == 0:
+            continue
+        if keep is not None:
+            taps = taps[-keep:]
+        parts.append((cache, taps, start - taps.shape[0]))
+    if not parts:
+        return
+    ctx = body.hidden_norm(body.fc(mx.concatenate([t for _, t, _ in parts])[None]))
+    bounds = np.cumsum([0] + [t.shape[0] for _, t, _ in parts]).tolist()
+    for i, layer in enumerate(body.layers):
+        attn = layer.self_attn
+        k, v = (attn.k_proj(ctx), attn.v_proj(ctx)) if len(parts) > 1 else (None, None)
+        for (cache, _, first), a, b in zip(parts, bounds, bounds[1:]):
+            rows = ctx[:, a:b]
+            projected = (k[:, a:b], v[:, a:b]) if k is not None else None
+            attn.add_context(rows, first, cache[i], projected)
 
 
 def _attend(attn, x: mx.array, starts: list[int], caches: list[ContextCache]) -> mx.array:

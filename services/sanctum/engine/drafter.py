@@ -204,11 +204,13 @@ class DraftAttention(nn.Module):
         v = v.reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=start), v
 
-    def add_context(self, ctx: mx.array, start: int, cache: ContextCache) -> None:
-        """Project new context rows ([B, C, H] at positions start..) into this layer's cache."""
+    def add_context(self, ctx: mx.array, start: int, cache: ContextCache, projected=None) -> None:
+        """Project new context rows ([B, C, H] at positions start..) into this layer's cache;
+        `projected`: their k and v projections, made already (for several sequences at once)."""
         if self.window is not None and (skip := ctx.shape[1] - self.window + 1) > 0:
             ctx, start = ctx[:, skip:], start + skip  # rows no block row can see again
-        cache.append(*self._kv(ctx, start))
+            projected = projected and tuple(t[:, skip:] for t in projected)
+        cache.append(*self._kv(ctx, start, projected))
 
     def __call__(self, x: mx.array, start: int, cache: ContextCache) -> mx.array:
         B, L, _ = x.shape
