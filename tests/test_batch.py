@@ -11,7 +11,9 @@ import pytest
 from helpers import NO_GATE
 from mlx_lm.models.cache import QuantizedKVCache
 from sanctum.engine import rounds
-from sanctum.engine.batch import _SPLIT_ATTENTION, _attention_batch, verify_batch
+from sanctum.engine.attention import _SPLIT_ATTENTION
+from sanctum.engine.attention import attention_over as _attention_batch
+from sanctum.engine.batch import verify_batch
 from sanctum.engine.rounds import BatchDecoder
 from sanctum.engine.sampling import SamplingParams
 from sanctum.engine.speculative import LocalDraftPeer, generate, make_key

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models import qwen3, qwen3_moe
-from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
-from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
-from . import cuda, fused
+from . import cuda
+from .attention import attention_over, scaled_dot_product_attention
 from .drafter import ContextCache, DraftBody, block_attention_mask
 from .gdn import GDNBatchTape, _math_for, batch_tape_entry, cache_states
 from .target import BatchTape, DequantizedView, Target, VerifyTape, cache_offset
@@ -63,7 +61,7 @@ def verify_batch(
                     DequantizedView(c) if isinstance(c, QuantizedKVCache) else c
                     for c in layer_caches
                 ]
-            r = _attention_batch(layer.self_attn, x, masks, layer_caches)
+            r = attention_over(layer.self_attn, x, masks, layer_caches)
         h = target._residual_mlp(layer, h, r)
         if i in wanted:
             wanted[i] = h
@@ -79,69 +77,6 @@ def verify_batch(
         for n, (w, tape) in enumerate(zip(widths, tapes))
     ]
     return outs, BatchTape(tapes, gdn_tapes) if taped else None
-
-
-def _attention_batch(attn, x: mx.array, masks: list, caches: list) -> mx.array:
-    """An mlx-lm attention module over N sequences ([N, L, H]), each on its own KV cache.
-    mlx-lm's module takes one cache, so a batch of ragged caches needs its body split: the
-    projections (and the output gate) run once over all N * L rows (q/k/v as one product when
-    fused: engine/fused.py; the target's are not fused at load, since a solo verify runs
-    mlx-lm's module on its own layers), the cache part per sequence.
-    A module type not split here runs whole, once per sequence."""
-    split = _SPLIT_ATTENTION.get(type(attn))
-    if split is None:
-        rows = [attn(x[n : n + 1], mask, c) for n, (mask, c) in enumerate(zip(masks, caches))]
-        return mx.concatenate(rows, axis=0)
-    return split(attn, x, lambda q, k, v: _attend_each(attn, q, k, v, masks, caches))
-
-
-def _attend_each(attn, q, k, v, masks: list, caches: list) -> mx.array:
-    """The cache part of mlx-lm's attention, per sequence: RoPE at its own offset, its KV update,
-    the attention over its own length. q, k, v: [N, L, heads, head_dim]; returns
-    [N, L, heads * head_dim]."""
-    N, L = q.shape[:2]
-    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-    outs = []
-    for n, (mask, c) in enumerate(zip(masks, caches)):
-        row, offset = slice(n, n + 1), c.offset
-        keys, values = c.update_and_fetch(attn.rope(k[row], offset=offset), v[row])
-        queries = attn.rope(q[row], offset=offset)
-        outs.append(
-            scaled_dot_product_attention(
-                queries, keys, values, cache=c, scale=attn.scale, mask=mask
-            )
-        )
-    return mx.concatenate(outs, axis=0).transpose(0, 2, 1, 3).reshape(N, L, -1)
-
-
-def _gated_attention(attn: Qwen3NextAttention, x: mx.array, attend) -> mx.array:
-    """`Qwen3NextAttention.__call__` (Qwen3.5, Qwen3-Next) with its cache part as `attend`: q_proj
-    gives the queries and a sigmoid output gate, both per head."""
-    N, L, _ = x.shape
-    q, k, v = fused.project(attn, fused.QKV, x)
-    queries, gate = mx.split(q.reshape(N, L, attn.num_attention_heads, -1), 2, axis=-1)
-    keys = attn.k_norm(k.reshape(N, L, attn.num_key_value_heads, -1))
-    values = v.reshape(N, L, attn.num_key_value_heads, -1)
-    out = attend(attn.q_norm(queries), keys, values)  # [N, L, heads * head_dim]
-    return attn.o_proj(out * mx.sigmoid(gate.reshape(N, L, -1)))
-
-
-def _plain_attention(attn, x: mx.array, attend) -> mx.array:
-    """`Attention.__call__` of mlx-lm's qwen3 and qwen3_moe (the same body) with its cache part as
-    `attend`."""
-    N, L, _ = x.shape
-    q, k, v = fused.project(attn, fused.QKV, x)
-    queries = attn.q_norm(q.reshape(N, L, attn.n_heads, -1))
-    keys = attn.k_norm(k.reshape(N, L, attn.n_kv_heads, -1))
-    values = v.reshape(N, L, attn.n_kv_heads, -1)
-    return attn.o_proj(attend(queries, keys, values))
-
-
-_SPLIT_ATTENTION = {
-    Qwen3NextAttention: _gated_attention,
-    qwen3.Attention: _plain_attention,
-    qwen3_moe.Attention: _plain_attention,
-}
 
 
 def _gdn_batch(mod, x: mx.array, caches: list, tapes: list[GDNBatchTape] | None) -> mx.array:
@@ -241,6 +176,6 @@ def _attend(attn, x: mx.array, starts: list[int], caches: list[ContextCache]) ->
             ck, cv = cache.fetch()
             k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
         mask = block_attention_mask(num_ctx, L, attn.causal, attn.window)
-        outs.append(scaled_dot_product_attention(q, k, v, cache=None, scale=attn.scale, mask=mask))
+        outs.append(scaled_dot_product_attention(q, k, v, None, attn.scale, mask))
     out = mx.concatenate(outs, axis=0)  # [N, heads, L, d]
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(N, L, -1))

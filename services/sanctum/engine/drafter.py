@@ -17,11 +17,11 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.utils import dequantize_model
 
-from . import cuda, fused
+from . import cpu, cuda, fused
+from .attention import scaled_dot_product_attention
 from .drafter_config import DrafterConfig
 from .target import CheckpointError, read_config, resolve_checkpoint
 
@@ -223,7 +223,7 @@ class DraftAttention(nn.Module):
             ck, cv = cache.fetch()
             k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
         mask = cache.block_mask(L, self.causal, self.window)
-        out = scaled_dot_product_attention(q, k, v, cache=None, scale=self.scale, mask=mask)
+        out = scaled_dot_product_attention(q, k, v, None, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -633,6 +633,7 @@ def load_drafter(
     `target_shape` = (num_layers, hidden, vocab) stands in for `target` where it is not loaded.
     `keep_dtype`: keep the checkpoint's dtype on the CPU too (by default widened to float32).
     """
+    cpu.prepare()  # a drafter process may load no target: engine/cpu.py
     path = resolve_checkpoint(path_or_id)
     raw = read_config(path)
     cfg = DrafterConfig.from_dict(raw, where=str(path))

@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
-from . import cuda, fused, gdn
+from . import attention, cpu, cuda, fused, gdn
 from .gdn import COMPILE_MAX_ROWS, GDNBatchTape, GDNTape
 
 # mlx-lm model types whose layers are all full attention or Gated DeltaNet.
@@ -89,6 +89,7 @@ class Target:
     """A loaded target model with its tokenizer and the few views into it that we need."""
 
     def __init__(self, model: nn.Module, tokenizer, config: dict, path: Path | None = None):
+        cpu.prepare()  # on the CPU, before anything compiles: MLX's JIT with the host's ISA
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -173,7 +174,11 @@ class Target:
             else:
                 if self.dequantize_q8 and isinstance(c, QuantizedKVCache):
                     c = DequantizedView(c)
-                r = layer.self_attn(layer.input_layernorm(h), attn_mask, c)
+                x = layer.input_layernorm(h)
+                if taped and attention.grouped_rows(S):  # a verify on the CPU: attention.py
+                    r = attention.attention_over(layer.self_attn, x, [attn_mask], [c])
+                else:
+                    r = layer.self_attn(x, attn_mask, c)
                 h = self._residual_mlp(layer, h, r)
             if i in wanted:
                 wanted[i] = h

@@ -1,0 +1,122 @@
+"""MLX's CPU JIT, given the host's vector instructions.
+
+Why: on the CPU, MLX compiles each fused elementwise kernel of a compiled graph at run time with
+`g++ -std=c++17 -O3` and no target ISA. On x86-64 every such kernel then runs one element at a
+time, and MLX's exp (sigmoid, SiLU and softmax all use it) calls libm's `fmaf` at each step of its
+polynomial: in a perf profile of speculative decoding at a 2K-token context on this project's
+CI-sized machine, exp and fmaf took ~40% of the MLX thread, as much as the matrix products.
+
+MLX runs `g++` from PATH. `prepare` puts a wrapper first on PATH that adds `-march=native`
+(the host's vector ISA) and `-ffp-contract=off` (no a*b+c contracted into one fused
+multiply-add, which would round once instead of twice): the kernels compute the same bits as
+before, vectorized (tests/test_cpu_jit.py compares them with MLX's precompiled ops).
+
+MLX keeps each compiled library under `<temp dir>/mlx/<version>/cpu/` by kernel name and reuses
+it, so kernels compiled before the wrapper would stay scalar: the first `prepare` on a machine
+removes them (once: a marker file, under a lock). `SANCTUM_CPU_JIT=off` leaves MLX's command
+as it is. Nothing changes on a GPU, or where no g++ is found, or where the flags fail a test
+compile.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+FLAGS = ("-march=native", "-ffp-contract=off")
+_MARKER = ".sanctum-native-jit"
+_state: dict[str, bool] = {}
+
+
+def jit_cache_dir() -> Path:
+    """Where MLX keeps its compiled CPU kernels (it follows the temp dir at each compile)."""
+    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+
+
+def _wrapper_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"sanctum-jit-{os.getuid()}"
+
+
+def _write_wrapper(compiler: str) -> Path:
+    """A `g++` that runs `compiler` with FLAGS before MLX's own arguments (written atomically:
+    several processes may start at once)."""
+    folder = _wrapper_dir()
+    folder.mkdir(mode=0o700, exist_ok=True)
+    path = folder / "g++"
+    text = f'#!/bin/sh\nexec "{compiler}" {" ".join(FLAGS)} "$@"\n'
+    if not path.exists() or path.read_text() != text:
+        tmp = folder / f".g++.{os.getpid()}"
+        tmp.write_text(text)
+        tmp.chmod(0o700)
+        os.replace(tmp, path)
+    return path
+
+
+def _compiles(wrapper: Path) -> bool:
+    """Whether the wrapper builds a shared library here (a noexec temp dir, a compiler that
+    rejects the flags: then MLX keeps its own command)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.cpp"
+        src.write_text('extern "C" float probe(float x) { return x * 2.0f + 1.0f; }\n')
+        try:
+            run = subprocess.run(
+                [
+                    str(wrapper),
+                    "-std=c++17",
+                    "-O3",
+                    "-fPIC",
+                    "-shared",
+                    str(src),
+                    "-o",
+                    str(Path(tmp) / "probe.so"),
+                ],
+                capture_output=True,
+                timeout=60,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return False
+        return run.returncode == 0
+
+
+def _drop_scalar_kernels(cache: Path) -> None:
+    """Remove the kernels MLX compiled before the wrapper (once a machine, under a lock)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    marker = cache / _MARKER
+    if marker.exists():
+        return
+    with open(cache / f"{_MARKER}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists():  # another process did it while this one waited
+            return
+        for lib in cache.glob("lib*.so"):
+            lib.unlink(missing_ok=True)
+        marker.write_text(" ".join(FLAGS) + "\n")
+
+
+def prepare() -> bool:
+    """Install the wrapper for this process (idempotent); returns whether it is in use."""
+    if "on" in _state:
+        return _state["on"]
+    on = False
+    if (
+        os.environ.get("SANCTUM_CPU_JIT", "native") != "off"
+        and mx.default_device() == mx.cpu
+        and (compiler := shutil.which("g++")) is not None
+    ):
+        folder = str(_wrapper_dir())
+        if Path(compiler).parent == Path(folder):  # PATH has it already (a parent process's)
+            on = True
+        else:
+            wrapper = _write_wrapper(compiler)
+            if _compiles(wrapper):
+                _drop_scalar_kernels(jit_cache_dir())
+                os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
+                on = True
+    _state["on"] = on
+    return on
