@@ -235,6 +235,11 @@ def test_chunked_gdn_values_and_gradients(aligned):
 
     for got, want in zip(mine(q, k, v, a, b, s0), ref(q, k, v, a, b, s0)):
         assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+    # inference on the CPU takes LAPACK's triangular inverse (no gradient): the same values
+    log_g = -mx.exp(A_log) * nn.softplus(a + dt)
+    lapack = chunked_gated_delta(q, k, v, log_g, mx.sigmoid(b), s0, chunk=64, lapack=True)
+    for got, want in zip(lapack, ref(q, k, v, a, b, s0)):
+        assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
     args = (q, k, v, a, b, s0)
     grads = [mx.grad(lambda *x, f=f: (f(*x)[0] ** 2).sum() + f(*x)[1].sum(), argnums=tuple(range(6)))(*args)
              for f in (mine, ref)]  # fmt: skip

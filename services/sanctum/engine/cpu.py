@@ -43,19 +43,20 @@ def _wrapper_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"sanctum-jit-{os.getuid()}"
 
 
-def _write_wrapper(compiler: str) -> Path:
+def _write_wrapper(compiler: str) -> tuple[Path, bool]:
     """A `g++` that runs `compiler` with FLAGS before MLX's own arguments (written atomically:
-    several processes may start at once)."""
+    several processes may start at once); and whether it was there already, as it is."""
     folder = _wrapper_dir()
     folder.mkdir(mode=0o700, exist_ok=True)
     path = folder / "g++"
     text = f'#!/bin/sh\nexec "{compiler}" {" ".join(FLAGS)} "$@"\n'
-    if not path.exists() or path.read_text() != text:
-        tmp = folder / f".g++.{os.getpid()}"
-        tmp.write_text(text)
-        tmp.chmod(0o700)
-        os.replace(tmp, path)
-    return path
+    if path.exists() and path.read_text() == text:
+        return path, True
+    tmp = folder / f".g++.{os.getpid()}"
+    tmp.write_text(text)
+    tmp.chmod(0o700)
+    os.replace(tmp, path)
+    return path, False
 
 
 def _compiles(wrapper: Path) -> bool:
@@ -113,9 +114,11 @@ def prepare() -> bool:
         if Path(compiler).parent == Path(folder):  # PATH has it already (a parent process's)
             on = True
         else:
-            wrapper = _write_wrapper(compiler)
-            if _compiles(wrapper):
-                _drop_scalar_kernels(jit_cache_dir())
+            wrapper, kept = _write_wrapper(compiler)
+            cache = jit_cache_dir()
+            # the probe compile (~0.5 s) once: a kept wrapper and the marker say it passed
+            if (kept and (cache / _MARKER).exists()) or _compiles(wrapper):
+                _drop_scalar_kernels(cache)
                 os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
                 on = True
     _state["on"] = on
