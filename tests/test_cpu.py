@@ -19,10 +19,11 @@ SERVICES = Path(__file__).resolve().parents[1] / "services"
 # elementwise graphs whose compiled kernels must give MLX's precompiled ops' bits: the
 # transcendental functions the models use, and a multiply-add (no contraction into an fma)
 KERNELS = """
-import json, sys
+import json, shutil, sys
 import mlx.core as mx, mlx.nn as nn, numpy as np
 from sanctum.engine import cpu
 on = cpu.prepare()
+compiler = shutil.which("g++")  # what MLX's JIT will run
 x = mx.random.normal((4, 1000), key=mx.random.key(0)) * 4
 y = mx.random.normal((4, 1000), key=mx.random.key(1))
 graphs = {
@@ -33,14 +34,13 @@ graphs = {
     "tanh": lambda a, b: mx.tanh(a) + b,
     "mul_add": lambda a, b: a * b + a,
 }
-out = {}
+same, outputs = {}, []
 for name, f in graphs.items():
     eager = np.array(f(x, y))
-    compiled = np.array(mx.compile(f)(x, y))
-    out[name] = {"same_as_eager": bool((eager.view(np.uint32) == compiled.view(np.uint32)).all()),
-                 "bits": compiled.view(np.uint32)[:, :64].tolist()}
-np.save(sys.argv[1], np.stack([np.array(mx.compile(f)(x, y)) for f in graphs.values()]))
-print(json.dumps({"on": on, "kernels": {k: v["same_as_eager"] for k, v in out.items()}}))
+    outputs.append(np.array(mx.compile(f)(x, y)))
+    same[name] = bool((eager.view(np.uint32) == outputs[-1].view(np.uint32)).all())
+np.save(sys.argv[1], np.stack(outputs))
+print(json.dumps({"on": on, "compiler": compiler, "kernels": same}))
 """
 
 
@@ -83,13 +83,18 @@ def test_native_jit_kernels_give_the_same_bits(tmp_path):
     stale.write_bytes(b"not a library")
     native, native_out = _run_kernels(native_tmp)
     assert native["on"], "the wrapper was not installed"
+    assert Path(native["compiler"]).parent.name.startswith("sanctum-jit-")
     assert all(native["kernels"].values()), native["kernels"]
     assert not stale.exists(), "a kernel compiled before the wrapper was kept"
     assert (cache / cpu._MARKER).read_text().split() == list(cpu.FLAGS)
     assert list(cache.glob("lib*.so")), "no kernel was compiled through the wrapper"
 
-    plain, plain_out = _run_kernels(tmp_path / "plain", SANCTUM_CPU_JIT="off")
+    # a wrapper inherited on PATH (a parent's, as Ray workers inherit it): "off" takes it away
+    inherited = Path(native["compiler"]).parent
+    path = f"{inherited}{os.pathsep}{os.environ['PATH']}"
+    plain, plain_out = _run_kernels(tmp_path / "plain", SANCTUM_CPU_JIT="off", PATH=path)
     assert not plain["on"]
+    assert not Path(plain["compiler"]).parent.name.startswith("sanctum-jit-")
     assert native_out.view(np.uint32).tolist() == plain_out.view(np.uint32).tolist()
 
 

@@ -3,19 +3,20 @@
 Why: on the CPU, MLX compiles each fused elementwise kernel of a compiled graph at run time with
 `g++ -std=c++17 -O3` and no target ISA. On x86-64 every such kernel then runs one element at a
 time, and MLX's exp (sigmoid, SiLU and softmax all use it) calls libm's `fmaf` at each step of its
-polynomial: in a perf profile of speculative decoding at a 2K-token context on this project's
-CI-sized machine, exp and fmaf took ~40% of the MLX thread, as much as the matrix products.
+polynomial: in a perf profile of the default pair on 4 prompts at a 2K-token context (prefill
+and speculative decoding) on this project's CI-sized machine, exp and fmaf took ~40% of the MLX
+thread, as much as the matrix products.
 
 MLX runs `g++` from PATH. `prepare` puts a wrapper first on PATH that adds `-march=native`
 (the host's vector ISA) and `-ffp-contract=off` (no a*b+c contracted into one fused
 multiply-add, which would round once instead of twice): the kernels compute the same bits as
-before, vectorized (tests/test_cpu_jit.py compares them with MLX's precompiled ops).
+before, vectorized (tests/test_cpu.py compares them with MLX's precompiled ops).
 
 MLX keeps each compiled library under `<temp dir>/mlx/<version>/cpu/` by kernel name and reuses
 it, so kernels compiled before the wrapper would stay scalar: the first `prepare` on a machine
 removes them (once: a marker file, under a lock). `SANCTUM_CPU_JIT=off` leaves MLX's command
-as it is. Nothing changes on a GPU, or where no g++ is found, or where the flags fail a test
-compile.
+as it is (and takes an inherited wrapper off PATH). Nothing changes on a GPU, or where no g++ is
+found, or where the flags fail a test compile.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import mlx.core as mx
 
 FLAGS = ("-march=native", "-ffp-contract=off")
 _MARKER = ".sanctum-native-jit"
-_state: dict[str, bool] = {}
+_WRAPPER_PREFIX = "sanctum-jit-"
+_on: bool | None = None  # decided by the first prepare
 
 
 def jit_cache_dir() -> Path:
@@ -40,7 +42,7 @@ def jit_cache_dir() -> Path:
 
 
 def _wrapper_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"sanctum-jit-{os.getuid()}"
+    return Path(tempfile.gettempdir()) / f"{_WRAPPER_PREFIX}{os.getuid()}"
 
 
 def _write_wrapper(compiler: str) -> tuple[Path, bool]:
@@ -100,26 +102,30 @@ def _drop_scalar_kernels(cache: Path) -> None:
         marker.write_text(" ".join(FLAGS) + "\n")
 
 
+def _without_wrappers(path: str) -> str:
+    """PATH without any folder of a wrapper (a parent process's, inherited)."""
+    parts = path.split(os.pathsep)
+    return os.pathsep.join(p for p in parts if not Path(p).name.startswith(_WRAPPER_PREFIX))
+
+
 def prepare() -> bool:
     """Install the wrapper for this process (idempotent); returns whether it is in use."""
-    if "on" in _state:
-        return _state["on"]
-    on = False
-    if (
-        os.environ.get("SANCTUM_CPU_JIT", "native") != "off"
-        and mx.default_device() == mx.cpu
-        and (compiler := shutil.which("g++")) is not None
-    ):
-        folder = str(_wrapper_dir())
-        if Path(compiler).parent == Path(folder):  # PATH has it already (a parent process's)
-            on = True
-        else:
-            wrapper, kept = _write_wrapper(compiler)
-            cache = jit_cache_dir()
-            # the probe compile (~0.5 s) once: a kept wrapper and the marker say it passed
-            if (kept and (cache / _MARKER).exists()) or _compiles(wrapper):
-                _drop_scalar_kernels(cache)
-                os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
-                on = True
-    _state["on"] = on
-    return on
+    global _on
+    if _on is not None:
+        return _on
+    path = _without_wrappers(os.environ.get("PATH", ""))  # a parent's wrapper: found again
+    os.environ["PATH"] = path
+    _on = False
+    if os.environ.get("SANCTUM_CPU_JIT", "native") == "off" or mx.default_device() != mx.cpu:
+        return _on
+    compiler = shutil.which("g++", path=path)
+    if compiler is None:
+        return _on
+    wrapper, kept = _write_wrapper(compiler)
+    cache = jit_cache_dir()
+    # the probe compile (~0.1 s) once: a kept wrapper and the marker say it passed
+    if (kept and (cache / _MARKER).exists()) or _compiles(wrapper):
+        _drop_scalar_kernels(cache)
+        os.environ["PATH"] = str(wrapper.parent) + os.pathsep + path
+        _on = True
+    return _on
