@@ -11,8 +11,7 @@ import pytest
 from helpers import NO_GATE
 from mlx_lm.models.cache import QuantizedKVCache
 from sanctum.engine import rounds
-from sanctum.engine.attention import _SPLIT_ATTENTION
-from sanctum.engine.attention import attention_over as _attention_batch
+from sanctum.engine.attention import _SPLIT_ATTENTION, attention_over
 from sanctum.engine.batch import verify_batch
 from sanctum.engine.rounds import BatchDecoder
 from sanctum.engine.sampling import SamplingParams
@@ -129,7 +128,7 @@ def test_split_attention_equals_mlx_lm_module_per_sequence(
     x = mx.random.normal((N, L, H), key=mx.random.key(99))
     solo_caches, batch_caches = caches(), caches()
     want = [attn(x[n : n + 1], "causal", c) for n, c in enumerate(solo_caches)]
-    got = _attention_batch(attn, x, ["causal"] * N, batch_caches)
+    got = attention_over(attn, x, ["causal"] * N, batch_caches)
     for n, (a, b) in enumerate(zip(solo_caches, batch_caches)):
         # the projections over N * L rows may differ from L rows' in the last bit, which can
         # move an 8-bit key one quantization step
@@ -140,7 +139,7 @@ def test_split_attention_equals_mlx_lm_module_per_sequence(
         for (ka, step), (kb, _) in zip(_kv(a), _kv(b)):
             assert mx.abs(ka - kb).max().item() <= step + 1e-5, f"sequence {n} cache"
     # a module type without a split runs whole, once per sequence: mlx-lm's own output
-    whole = _attention_batch(lambda *a: attn(*a), x, ["causal"] * N, caches())
+    whole = attention_over(lambda *a: attn(*a), x, ["causal"] * N, caches())
     assert all(mx.array_equal(whole[n : n + 1], want[n]) for n in range(N))
 
 

@@ -19,8 +19,8 @@ mlx-lm's attention, so plain decoding stays mlx-lm's to the bit. On a GPU, MLX's
 run everywhere.
 
 Measured on this project's 2-core CPU with the default pair's shapes (6 query heads on 2 KV
-heads of 64, 2,304 keys; a timing script, 200 calls each, run three times): an 8-row attention
-2.5-3.0 ms with MLX's fallback against 0.9-1.3 ms. End to end: the README, "On the CPU".
+heads of 64, 2,304 keys; a timing script, 200 calls each, five runs): an 8-row attention
+2.1-3.1 ms with MLX's fallback against 0.9-1.3 ms. End to end: the README, "On the CPU".
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def grouped_attention(
 
 def scaled_dot_product_attention(q, k, v, cache, scale: float, mask) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention`, or `grouped_attention` for a few-row pass on
-    the CPU over a plain (not 8-bit) KV cache."""
+    the CPU over a plain (not 8-bit) KV cache. Callers pass verify and draft blocks only: a
+    prefill keeps mlx-lm's whole module (Target.forward)."""
     if grouped_rows(q.shape[2]) and not hasattr(cache, "bits"):
         return grouped_attention(q, k, v, scale, mask)
     return mlx_lm_attention(q, k, v, cache=cache, scale=scale, mask=mask)
@@ -124,7 +125,8 @@ def _attend_each(attn, q, k, v, masks: list, caches: list) -> mx.array:
         keys, values = c.update_and_fetch(attn.rope(k[row], offset=offset), v[row])
         queries = attn.rope(q[row], offset=offset)
         outs.append(scaled_dot_product_attention(queries, keys, values, c, attn.scale, mask))
-    return mx.concatenate(outs, axis=0).transpose(0, 2, 1, 3).reshape(N, L, -1)
+    out = outs[0] if N == 1 else mx.concatenate(outs, axis=0)  # a solo verify: no copy
+    return out.transpose(0, 2, 1, 3).reshape(N, L, -1)
 
 
 def _gated_attention(attn: Qwen3NextAttention, x: mx.array, attend) -> mx.array:
