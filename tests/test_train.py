@@ -324,18 +324,29 @@ def test_drafter_fine_tune_from_packed_init(tmp_path, tiny_pair, corpus_args):
                  "--prompt-len", "16", "--new-tokens", "48", "--batch", "4", *corpus_args]) == 0  # fmt: skip
     with np.load(regen) as z:
         assert z["train"].shape == (6, 64) and z["holdout"].shape == (2, 64)
+    short = tmp_path / "short.npz"  # a prompt near the start, then the target's reply
+    assert main(["train", "regen", "--target", str(packed / "target"), "--out", str(short),
+                 "--count", "5", "--holdout", "2", "--seq-len", "40", "--spans", "1",
+                 "--prompt-len", "12", "--new-tokens", "28", "--batch", "4", *corpus_args]) == 0  # fmt: skip
     init = load_drafter(packed / "drafter", load_target(packed / "target"))
     out = tmp_path / "tuned"
     argv = ["train", "drafter", "--target", str(packed / "target"), "--out", str(out),
-            "--init", str(packed / "drafter"), "--regen-data", str(regen), "--steps", "6",
+            "--init", str(packed / "drafter"), "--regen-data", str(regen), "--steps", "8",
+            "--short-data", str(short), "--short-every", "2", "--short-batch", "3",
             "--batch", "4", "--seq-len", "64", "--rows-per-seq", "64", "--lr", "1e-9",
             "--warmup", "1", "--log-every", "1", "--eval-every", "3", "--distill", "0.5",
             "--hard-labels", "target", "--select", "tau", "--dtype", "float32",
             "--target-dtype", "float32", *corpus_args]  # fmt: skip
     assert main(argv) == 0
     log = json.loads((out / "train_log.json").read_text())
-    assert {"regen_tau_b8", "holdout_tau_b16"} <= set(log["eval"][0])
+    assert {"regen_tau_b8", "holdout_tau_b16", "short_tau_b8", "short_tau_b16"} <= set(
+        log["eval"][0]
+    )
     assert log["summary"]["init"] == str(packed / "drafter")
+    # every second step trains on the short rows; each kind of step alternates the block sizes
+    kinds = [(r["short"], r["block"]) for r in log["train"]]
+    assert kinds == [(0, 8), (1, 8), (0, 16), (1, 16)] * 2
+    assert log["summary"]["short_every"] == 2 and log["summary"]["short_sequences"] == 5
     tuned = load_drafter(out, load_target(packed / "target"))
     assert tuned.cfg == init.cfg
     assert "quantization" not in json.loads((out / "config.json").read_text())

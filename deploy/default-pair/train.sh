@@ -13,6 +13,13 @@
 #   train.sh refine     step 2: the shipped drafter fine-tuned on them twice (lr 3e-4 for $REFINE1_S s,
 #                       then lr 2.5e-4 for $REFINE2_S s from the first), packed, then its sampling
 #                       temperature scale fitted on the held-out regenerated rows (`train calibrate`)
+#   train.sh short-regen  $SHORT_COUNT short sequences: a prompt ending by token 96 (two in three a
+#                       training function's stub, raw or as a chat turn), then 160 tokens of the
+#                       shipped target's reply, where `bench tau`'s context-0 prompts sit
+#   train.sh mixed      the shipped drafter refined at $SEQ tokens on $W/regen-gpu.npz (gpu-regen with
+#                       SEED0=200: sequences it has not seen) with every 4th step on $W/short.npz,
+#                       labels $MIXED_DISTILL x the target's distribution, for $MIXED_S s; packed to
+#                       $MIXED_OUT-packed and calibrated
 # Run from the repository root, with `sanctum` importable (PYTHONPATH=services or the venv) and a
 # corpus from `sanctum train corpus` at $CORPUS. The defaults are the shipped run's (one NVIDIA H200,
 # MLX with its CUDA backend); the variables below scale it down for a smoke run on a CPU.
@@ -37,6 +44,12 @@ FT_S=${FT_S:-300}
 GPU_PARTS=${GPU_PARTS:-6}
 REFINE1_S=${REFINE1_S:-215}
 REFINE2_S=${REFINE2_S:-440}
+SEED0=${SEED0:-100}                    # gpu-regen: the parts' seeds are SEED0, SEED0 + 1, ...
+SHORT_COUNT=${SHORT_COUNT:-1536}
+MIXED_S=${MIXED_S:-330}
+MIXED_LR=${MIXED_LR:-2e-4}
+MIXED_DISTILL=${MIXED_DISTILL:-0.5}
+MIXED_OUT=${MIXED_OUT:-$W/mixed}
 PY=${PY:-python3 -m sanctum.cli}
 TOK=services/sanctum/assets/default/target   # the shipped tokenizer (8,192 byte-level BPE)
 mkdir -p "$W"
@@ -118,7 +131,7 @@ gpu_regen() {  # parts of 256 (batch 64 failed a CUDA graph launch), the first w
     hold=0; [ $part = 0 ] && hold=32
     run $PY train regen --target services/sanctum/assets/default/target --data "$CORPUS" \
       --out "$W/regen-gpu-$part.npz" --count 256 --holdout $hold --seq-len "$SEQ" --spans 8 \
-      --new-tokens 128 --temperatures 0,0,0.7,1 --batch 32 --seed $((100 + part))
+      --new-tokens 128 --temperatures 0,0,0.7,1 --batch 32 --seed $((SEED0 + part))
   done
   python3 - "$W" "$GPU_PARTS" <<'PY'
 import json, sys
@@ -150,7 +163,29 @@ refine_step() {  # refine_step INIT OUT LR BUDGET
     --distill 0.5 --hard-labels target --select tau --dtype float32 --target-dtype float32
 }
 
+short_regen() {  # batch 32: at 64 MLX CUDA failed a kernel launch ("invalid argument") here too
+  local A=services/sanctum/assets/default
+  run $PY train regen --target "$A/target" --data "$CORPUS" --out "$W/short.npz" \
+    --count "$SHORT_COUNT" --holdout 64 --seq-len 256 --spans 1 --prompt-len 96 --new-tokens 160 \
+    --temperatures 0,0,0.7,1 --batch 32 --seed "$SEED0"
+}
+
+mixed() {
+  local A=services/sanctum/assets/default
+  run $PY train drafter --target "$A/target" --data "$CORPUS" --regen-data "$W/regen-gpu.npz" \
+    --short-data "$W/short.npz" --short-every 4 --short-batch 64 --init "$A/drafter" \
+    --kind dflash2 --out "$MIXED_OUT" --block-sizes 8,16 --seq-len "$SEQ" --batch "$BATCH" \
+    --rows-per-seq 1024 --regen-frac 0.6 --steps "$STEPS" --time-budget "$MIXED_S" \
+    --save-every 60 --lr "$MIXED_LR" --warmup 20 --eval-every 100 --log-every 10 \
+    --distill "$MIXED_DISTILL" --hard-labels target --select tau --dtype float32 \
+    --target-dtype float32
+  run $PY train pack --target "$A/target" --drafter "$MIXED_OUT" --out "$MIXED_OUT-packed" \
+    --drafter-only --drafter-bits 8
+  run $PY train calibrate --target "$A/target" --drafter "$MIXED_OUT-packed/drafter" \
+    --regen-data "$W/regen-gpu.npz" --write
+}
+
 all() { target && drafters; }
 
-cmd=${1:?usage: train.sh target|drafters|all|install|finetune|gpu-regen|refine}
+cmd=${1:?usage: train.sh target|drafters|all|install|finetune|gpu-regen|refine|short-regen|mixed}
 "${cmd//-/_}"

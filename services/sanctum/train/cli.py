@@ -105,6 +105,7 @@ def cmd_drafter(args) -> int:
         target = target_for_training(load_target(args.target), args.target_dtype)
     corpus = _load_corpus(args, Path(target.path))
     regen_data = load_regen(args.regen_data) if args.regen_data else None
+    short_data = load_regen(args.short_data) if args.short_data else None
     causal = {"true": True, "false": False}.get(args.is_causal)
     shape = DrafterShape(
         kind=args.kind, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
@@ -119,12 +120,15 @@ def cmd_drafter(args) -> int:
         warmup=args.warmup if args.warmup is not None else max(1, args.steps // 25),
         distill=args.distill, regen=args.regen, regen_prompt=args.regen_prompt,
         regen_batch=args.regen_batch, regen_frac=args.regen_frac, hard_labels=args.hard_labels,
+        short_every=args.short_every if short_data is not None else 0,
+        short_batch=args.short_batch, short_rows_per_seq=args.short_rows_per_seq,
         select=args.select, time_budget_s=args.time_budget,
         save_every_s=args.save_every, eval_every=args.eval_every, log_every=args.log_every,
         dtype=args.dtype, compile=args.compile and not args.no_compile, seed=args.seed,
     )  # fmt: skip
     summary = train_drafter(target, corpus, args.out, shape, settings,
-                            log=lambda m: print(m, flush=True), init=args.init, regen_data=regen_data)  # fmt: skip
+                            log=lambda m: print(m, flush=True), init=args.init, regen_data=regen_data,
+                            short_data=short_data)  # fmt: skip
     print(json.dumps({"drafter": args.out, **summary}))
     return 0
 
@@ -306,6 +310,14 @@ def register(subparsers) -> None:
     p.add_argument("--regen-frac", type=float, default=0.5)
     p.add_argument("--regen-data", metavar="NPZ",
                    help="regenerated sequences from `sanctum train regen` (instead of --regen)")  # fmt: skip
+    p.add_argument("--short-data", metavar="NPZ",
+                   help="short regenerated sequences (`train regen --seq-len 256 --spans 1 "
+                   "--prompt-len 96 ...`) for every --short-every-th step")  # fmt: skip
+    p.add_argument("--short-every", type=int, default=4,
+                   help="with --short-data: every Nth step trains on short sequences")  # fmt: skip
+    p.add_argument("--short-batch", type=int, default=64, help="short sequences a short step")
+    p.add_argument("--short-rows-per-seq", type=int, default=256,
+                   help="anchors x block size per short sequence")  # fmt: skip
     p.add_argument("--init", metavar="DIR",
                    help="fine-tune this drafter checkpoint (packed or not); its config replaces the shape flags")  # fmt: skip
     p.add_argument("--hard-labels", default="data", choices=("data", "target"),

@@ -72,6 +72,12 @@ class DrafterTraining:
     regen_prompt: int = 32
     regen_batch: int = 512
     regen_frac: float = 0.5  # share of each batch drawn from the regenerated sequences
+    # every `short_every`-th step trains on `short_batch` short regenerated sequences instead
+    # (`train drafter --short-data`: a prompt near the row's start, then the target's own
+    # reply), where a request with little context sits; 0: never
+    short_every: int = 0
+    short_batch: int = 64
+    short_rows_per_seq: int = 256
     hard_labels: str = "data"  # hard labels (weight 1 - distill): "data" or "target" (argmax)
     select: str = "loss"  # checkpoint kept: lowest held-out "loss" or highest held-out "tau"
     seed: int = 0
@@ -293,12 +299,14 @@ def train_drafter(
     log=print,
     init: str | Path | None = None,
     regen_data: Regen | None = None,
+    short_data: Regen | None = None,
 ) -> dict:
     """Train a drafter against the frozen `target`; writes checkpoints to `out`.
 
     `init`: a drafter checkpoint to start from (its config replaces `shape`). `regen_data`:
     regenerated sequences from `sanctum train regen`, used instead of regenerating here; the
-    held-out ones are evaluated, never trained on.
+    held-out ones are evaluated, never trained on. `short_data`: short regenerated sequences
+    for every `settings.short_every`-th step (their held-out ones evaluated too).
     """
     out, s = Path(out), settings
     mx.random.seed(s.seed)
@@ -349,6 +357,10 @@ def train_drafter(
             log(f"regenerated {rows.shape[0]} x {rows.shape[1]} tokens in "
                 f"{time.perf_counter() - t_start:.1f} s")  # fmt: skip
         batches = _Batches(corpus, regen, s, rng)
+        short_every = s.short_every if short_data is not None else 0
+        if short_every:
+            log(f"short sequences: {short_data.train.shape[0]} x {short_data.train.shape[1]} "
+                f"tokens, every {short_every}th step, {s.short_batch} a step")  # fmt: skip
 
         def loss_fn(tokens, taps, t_logits, anchors, weights):
             embeds = mx.stop_gradient(target.embed_tokens(tokens))
@@ -365,11 +377,24 @@ def train_drafter(
         summary, best, saved_step, last_log = {}, float("inf"), 0, time.perf_counter()
         out.mkdir(parents=True, exist_ok=True)
         while step < total:
-            block = s.block_sizes[step % len(s.block_sizes)]
+            short = bool(short_every) and step % short_every == short_every - 1
+            # block sizes alternate within each kind of step (by the step alone, short steps of
+            # an even short_every would all get one size)
+            if not short_every:
+                index = step
+            else:
+                index = step // short_every if short else step - (step + 1) // short_every
+            block = s.block_sizes[index % len(s.block_sizes)]
             opt.learning_rate = sched(step)
-            tokens, prefer = batches()
+            if short:
+                tokens, prefer = crop(short_data.train, short_data.train_generated,
+                                      s.short_batch, short_data.train.shape[1], rng)  # fmt: skip
+                tokens, rows_per_seq = mx.array(tokens.astype(np.int32)), s.short_rows_per_seq
+            else:
+                (tokens, prefer), rows_per_seq = batches(), s.rows_per_seq
             taps, t_logits = target_pass(target, tokens, taps_ids)
-            anchors = sample_anchors(s.batch, s.seq_len, block, s.rows_per_seq, rng, prefer)
+            anchors = sample_anchors(tokens.shape[0], tokens.shape[1], block, rows_per_seq, rng,
+                                     prefer)  # fmt: skip
             loss, metrics, norm = step_fn(tokens, taps, t_logits, anchors, position_weights(block))
             mx.eval(loss, metrics, norm, trainee.state, opt.state)
             step += 1
@@ -384,11 +409,12 @@ def train_drafter(
                 sched.total = total
             if step % s.log_every == 0 or step == total:
                 row = history.add(step, loss=loss.item(), grad_norm=norm.item(), lr=sched(step),
-                                  block=block, **{k: v.item() for k, v in metrics.items()})  # fmt: skip
+                                  block=block, short=short,
+                                  **{k: v.item() for k, v in metrics.items()})  # fmt: skip
                 log(json.dumps(row))
             improved = False
             if s.eval_every and (step % s.eval_every == 0 or step == total):
-                ev = evaluate(trainee, target, corpus, s, mask_embed, regen_data)
+                ev = evaluate(trainee, target, corpus, s, mask_embed, regen_data, short_data)
                 log(json.dumps(history.add_eval(step, **ev)))
                 if s.select == "tau":
                     score = -sum(v for k, v in ev.items() if "_tau_b" in k)
@@ -404,6 +430,8 @@ def train_drafter(
                 summary = {"params": n_params, "steps": step, "planned_steps": total,
                            "saved_step": saved_step, "seconds": round(time.perf_counter() - t_train, 1),
                            "regen_sequences": int(regen.train.shape[0]) if regen is not None else 0,
+                           "short_sequences": int(short_data.train.shape[0]) if short_every else 0,
+                           "short_every": short_every,
                            "init": str(init) if init else None, "hard_labels": s.hard_labels,
                            "best_score": best, "select": s.select, "block_sizes": list(s.block_sizes),
                            "batch": s.batch, "seq_len": s.seq_len, "lr": s.lr, "distill": s.distill,
@@ -416,10 +444,11 @@ def train_drafter(
 
 
 def evaluate(trainee: Trainee, target: Target, corpus: Corpus, s: DrafterTraining, mask_embed,
-             regen: Regen | None = None) -> dict:  # fmt: skip
+             regen: Regen | None = None, short: Regen | None = None) -> dict:  # fmt: skip
     """Held-out loss and teacher-forced tau (greedy, and sampled at temperature 1) per block
     size, on fixed windows and anchors: held-out corpus windows, and held-out regenerated
-    sequences (`regen_*`, anchors leaning to the target's own tokens) when given."""
+    sequences (`regen_*`, anchors leaning to the target's own tokens) and short ones (`short_*`)
+    when given."""
     tokens_np = corpus.holdout if corpus.holdout.size > s.seq_len + 1 else corpus.train
     rng = np.random.default_rng(4321)
     rows = min(s.batch, 16)
@@ -428,6 +457,9 @@ def evaluate(trainee: Trainee, target: Target, corpus: Corpus, s: DrafterTrainin
         n = min(2 * rows, regen.holdout.shape[0])
         sets["regen"] = crop(regen.holdout, regen.holdout_generated, n, s.seq_len, rng,
                              pick=np.arange(n))  # fmt: skip
+    if short is not None and short.holdout is not None:
+        n = min(4 * rows, short.holdout.shape[0])
+        sets["short"] = short.holdout[:n], short.holdout_generated[:n]
     out = {}
     body = trainee.body
     for name, (rows_np, prefer) in sets.items():
@@ -435,8 +467,8 @@ def evaluate(trainee: Trainee, target: Target, corpus: Corpus, s: DrafterTrainin
         taps, t_logits = target_pass(target, tokens, tuple(body.cfg.target_layer_ids))
         embeds = target.embed_tokens(tokens)
         for block in sorted(set(s.block_sizes)):
-            anchors = sample_anchors(tokens.shape[0], tokens.shape[1], block, s.rows_per_seq, rng,
-                                     prefer)  # fmt: skip
+            per_seq = s.short_rows_per_seq if name == "short" else s.rows_per_seq
+            anchors = sample_anchors(tokens.shape[0], tokens.shape[1], block, per_seq, rng, prefer)
             loss, m = draft_loss(body, target.lm_head, mask_embed, embeds, tokens, taps, t_logits,
                                  anchors, position_weights(block), s.distill, s.hard_labels,
                                  trainee.selector)  # fmt: skip
