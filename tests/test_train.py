@@ -309,7 +309,7 @@ def test_regen_spans_are_engine_greedy(tiny_pair):
     assert sampled_differs
 
 
-def test_drafter_fine_tune_from_packed_init(tmp_path, tiny_pair, corpus_args):
+def test_drafter_fine_tune_from_packed_init(tmp_path, tiny_pair, corpus_args, capsys):
     """`--init` starts from a (packed) drafter, `--regen-data` trains on a regen file and
     evaluates its held-out rows; the result loads unchanged with the init's config."""
     target_dir, drafter_dir = tiny_pair
@@ -347,6 +347,11 @@ def test_drafter_fine_tune_from_packed_init(tmp_path, tiny_pair, corpus_args):
     kinds = [(r["short"], r["block"]) for r in log["train"]]
     assert kinds == [(0, 8), (1, 8), (0, 16), (1, 16)] * 2
     assert log["summary"]["short_every"] == 2 and log["summary"]["short_sequences"] == 5
+    png = tmp_path / "loss.png"  # the plot draws the short steps' losses as a curve of their own
+    capsys.readouterr()
+    assert main(["train", "plot", f"tuned={out}", "--out", str(png)]) == 0
+    panels = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["panels"]
+    assert panels["tuned"][:2] == ["train", "train, short steps"] and png.stat().st_size > 0
     tuned = load_drafter(out, load_target(packed / "target"))
     assert tuned.cfg == init.cfg
     assert "quantization" not in json.loads((out / "config.json").read_text())

@@ -176,7 +176,9 @@ def cmd_plot(args) -> int:
         name, _, where = run.rpartition("=")  # "NAME=PATH" names the panel
         path = Path(where)
         log = json.loads((path if path.is_file() else path / "train_log.json").read_text())
-        curves = {"train": [(r["step"], r["loss"]) for r in log["train"]]}
+        curves = {"train": [(r["step"], r["loss"]) for r in log["train"] if not r.get("short")]}
+        if short := [(r["step"], r["loss"]) for r in log["train"] if r.get("short")]:
+            curves["train, short steps"] = short  # another data kind: a curve of its own
         for key in sorted({k for e in log["eval"] for k in e if "loss" in k}):
             curves[key] = [(e["step"], e[key]) for e in log["eval"] if key in e]
         panels[name or path.name] = curves
