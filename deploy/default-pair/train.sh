@@ -98,6 +98,11 @@ drafters() {
 
 install() {  # the DFlash (v1) drafter is not installed: it measured better only at temperature 1
   local A=services/sanctum/assets/default
+  if [ -d "$MIXED_OUT-packed/drafter" ]; then  # after mixed: the drafter's weights, config, log
+    mv "$A/drafter/train_log.json" "$A/drafter/refine2_train_log.json"
+    cp "$MIXED_OUT-packed/drafter"/{model.safetensors,config.json,train_log.json} "$A/drafter/"
+    return
+  fi
   if [ -d "$W/packed-dflash2/drafter" ]; then  # after finetune: the drafter alone
     rm -rf "$A/drafter" && cp -r "$W/packed-dflash2/drafter" "$A/drafter"
     return
