@@ -337,6 +337,9 @@ def test_drafter_fine_tune_from_packed_init(tmp_path, tiny_pair, corpus_args, ca
             "--warmup", "1", "--log-every", "1", "--eval-every", "3", "--distill", "0.5",
             "--hard-labels", "target", "--select", "tau", "--dtype", "float32",
             "--target-dtype", "float32", *corpus_args]  # fmt: skip
+    bad = [a if a != "2" or argv[i - 1] != "--short-every" else "0" for i, a in enumerate(argv)]
+    with pytest.raises(SystemExit, match="--short-every must be 1 or more"):
+        main(bad)
     assert main(argv) == 0
     log = json.loads((out / "train_log.json").read_text())
     assert {"regen_tau_b8", "holdout_tau_b16", "short_tau_b8", "short_tau_b16"} <= set(

@@ -46,7 +46,7 @@ REFINE1_S=${REFINE1_S:-215}
 REFINE2_S=${REFINE2_S:-440}
 SEED0=${SEED0:-100}                    # gpu-regen: the parts' seeds are SEED0, SEED0 + 1, ...
 SHORT_COUNT=${SHORT_COUNT:-1536}
-MIXED_S=${MIXED_S:-330}
+MIXED_S=${MIXED_S:-420}
 MIXED_LR=${MIXED_LR:-2e-4}
 MIXED_DISTILL=${MIXED_DISTILL:-0.5}
 MIXED_OUT=${MIXED_OUT:-$W/mixed}
@@ -99,7 +99,8 @@ drafters() {
 install() {  # the DFlash (v1) drafter is not installed: it measured better only at temperature 1
   local A=services/sanctum/assets/default
   if [ -d "$MIXED_OUT-packed/drafter" ]; then  # after mixed: the drafter's weights, config, log
-    mv "$A/drafter/train_log.json" "$A/drafter/refine2_train_log.json"
+    [ -e "$A/drafter/refine2_train_log.json" ] ||  # the log of the drafter it refined, kept once
+      mv "$A/drafter/train_log.json" "$A/drafter/refine2_train_log.json"
     cp "$MIXED_OUT-packed/drafter"/{model.safetensors,config.json,train_log.json} "$A/drafter/"
     return
   fi

@@ -106,6 +106,8 @@ def cmd_drafter(args) -> int:
     corpus = _load_corpus(args, Path(target.path))
     regen_data = load_regen(args.regen_data) if args.regen_data else None
     short_data = load_regen(args.short_data) if args.short_data else None
+    if short_data is not None and args.short_every < 1:
+        raise SystemExit(f"--short-every must be 1 or more, got {args.short_every}")
     causal = {"true": True, "false": False}.get(args.is_causal)
     shape = DrafterShape(
         kind=args.kind, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
