@@ -122,7 +122,7 @@ def cmd_drafter(args) -> int:
         warmup=args.warmup if args.warmup is not None else max(1, args.steps // 25),
         distill=args.distill, regen=args.regen, regen_prompt=args.regen_prompt,
         regen_batch=args.regen_batch, regen_frac=args.regen_frac, hard_labels=args.hard_labels,
-        short_every=args.short_every if short_data is not None else 0,
+        short_every=args.short_every,  # used only with short_data (train_drafter)
         short_batch=args.short_batch, short_rows_per_seq=args.short_rows_per_seq,
         select=args.select, time_budget_s=args.time_budget,
         save_every_s=args.save_every, eval_every=args.eval_every, log_every=args.log_every,

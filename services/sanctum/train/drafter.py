@@ -376,15 +376,13 @@ def train_drafter(
         t_train = time.perf_counter()
         summary, best, saved_step, last_log = {}, float("inf"), 0, time.perf_counter()
         out.mkdir(parents=True, exist_ok=True)
+        # steps taken of each kind (long, short): block sizes alternate within a kind (by the
+        # step alone, short steps of an even short_every would all get one size)
+        taken = {False: 0, True: 0}
         while step < total:
             short = bool(short_every) and step % short_every == short_every - 1
-            # block sizes alternate within each kind of step (by the step alone, short steps of
-            # an even short_every would all get one size)
-            if not short_every:
-                index = step
-            else:
-                index = step // short_every if short else step - (step + 1) // short_every
-            block = s.block_sizes[index % len(s.block_sizes)]
+            block = s.block_sizes[taken[short] % len(s.block_sizes)]
+            taken[short] += 1
             opt.learning_rate = sched(step)
             if short:
                 tokens, prefer = crop(short_data.train, short_data.train_generated,
