@@ -8,7 +8,7 @@ from argparse import Namespace
 
 import mlx.core as mx
 import pytest
-from sanctum.engine import cuda, gdn_cuda, qmm_cuda
+from sanctum.engine import cuda, draft_cuda, gdn_cuda, qmm_cuda
 
 pytestmark = pytest.mark.skipif(not cuda.is_cuda(), reason="needs MLX's CUDA backend")
 
@@ -36,3 +36,20 @@ def test_cuda_paths_end_to_end():
     assert result["ok"], (result["failed"], result.get("end_to_end"))
     assert result["policy_after_load"]["gdn_block_kernel"]
     assert result["policy"]["q8_attention"] == "dequantized"
+
+
+_DRAFT_SPECS = [  # the seed's drafter (DFlash 2, window 2048) and the default pair's (window 256)
+    draft_cuda.AttentionSpec(32, 8, 128, 2048, False, 1e-6, 128**-0.5, 1e7),
+    draft_cuda.AttentionSpec(6, 2, 64, 256, False, 1e-6, 64**-0.5, 1e6),
+    draft_cuda.AttentionSpec(6, 2, 64, None, True, 1e-6, 64**-0.5, 1e6),  # full, causal
+]
+
+
+@pytest.mark.parametrize("spec", _DRAFT_SPECS)
+def test_draft_attention_kernel_matches_the_mlx_path(spec):
+    assert draft_cuda.check_attention(draft_cuda.block_attention, spec, rows=(1, 7, 8, 16)) is None
+
+
+@pytest.mark.parametrize("shape", [(5120, 2, 16), (384, 2, 16), (256, 3, 8)])
+def test_draft_conv_kernel_matches_the_mlx_path(shape):
+    assert draft_cuda.check_conv(draft_cuda.dynamic_conv, *shape) is None

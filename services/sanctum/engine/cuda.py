@@ -21,6 +21,9 @@ load, and said loudly (log lines, and `report()` for the benchmarks).
   checked the same way, correct and faster than MLX's, before it is used (`prepare_linear`);
   SANCTUM_QMM_KERNEL=off keeps MLX's for all. (The narrow GDN gate projections, which MLX
   sends to a naive kernel at several rows, are fused with their siblings: engine/fused.py.)
+- A draft layer's block attention and DFlash 2 convolutions: draft_cuda.py's kernels, checked
+  the same way on the body's own shapes (`prepare_drafter`); SANCTUM_DRAFT_KERNELS=off keeps
+  MLX's ops.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
 
-from . import gdn, gdn_cuda, qmm_cuda
+from . import draft_cuda, gdn, gdn_cuda, qmm_cuda
 
 log = logging.getLogger("sanctum.cuda")
 Q8_MODES = ("auto", "quantized", "dequantized")
@@ -163,6 +166,49 @@ def prepare_linear(model) -> None:
     log.info("few-row 4-bit matmul kernel checked: %d layers use it", _qmm["layers"])
 
 
+_draft = {"verdict": "not checked", "attention_layers": 0, "conv_layers": 0}
+
+
+def prepare_drafter(body, block_rows: tuple[int, ...] = (8, 16)) -> None:
+    """At load, on CUDA: route a bfloat16 draft body's block attention and DFlash 2
+    convolutions through draft_cuda.py's kernels once their check on this body's shapes agreed
+    with the MLX path on this GPU; SANCTUM_DRAFT_KERNELS=off keeps MLX's ops."""
+    if not is_cuda() or body is None:
+        return
+    if os.environ.get("SANCTUM_DRAFT_KERNELS", "auto") == "off":
+        _draft["verdict"] = "off (SANCTUM_DRAFT_KERNELS=off)"
+        return
+    if body.fc.weight.dtype != mx.bfloat16:
+        _draft["verdict"] = f"not used: the body is {body.fc.weight.dtype}"
+        return
+    specs, convs = [], []
+    for layer in body.layers:
+        spec = layer.self_attn.kernel_spec()
+        if spec is not None and all(draft_cuda.attention_supported(spec, r) for r in block_rows):
+            specs.append(spec)
+        if "attention_conv" in layer:
+            conv = layer.attention_conv
+            convs.append([body.cfg.hidden_size, conv.kernel, conv.group])
+    specs_args = [dict(s.__dict__) for s in dict.fromkeys(specs)]
+    conv_args = [list(c) for c in dict.fromkeys(tuple(c) for c in convs)]
+    args = json.dumps({"specs": specs_args, "convs": conv_args, "rows": list(block_rows)})
+    source = (draft_cuda.HEADER + draft_cuda.ATTENTION_SOURCE + draft_cuda.CONV_SOURCE).encode()
+    key = f"mlx {mx.__version__} draft {hashlib.sha1(source).hexdigest()[:12]} {args}"
+    result = _child_verdict(key, ["sanctum.engine.draft_cuda", args])
+    if not isinstance(result, dict):  # the child failed: its message
+        result = {"attention": result, "conv": result}
+    attention_ok = bool(specs) and result.get("attention") is None
+    conv_ok = bool(convs) and result.get("conv") is None
+    body.use_kernels(attention=attention_ok, conv=conv_ok)
+    _draft["verdict"] = {k: v or "ok" for k, v in result.items()}
+    _draft["attention_layers"] = len(specs) if attention_ok else 0
+    _draft["conv_layers"] = len(convs) if conv_ok else 0
+    for name, why in result.items():
+        if why is not None:
+            log.error("draft %s kernel DISAGREES with the MLX path, not used: %s", name, why)
+            print(f"sanctum: draft {name} kernel disabled: {why}", file=sys.stderr)
+
+
 def verify_width(width: int, blocks: int = 1) -> int:
     """Rows a verify block of `width` is padded to (at its end: the target is causal) when
     `blocks` blocks go through one forward: on CUDA enough for MATRIX_ROWS rows in all. Below
@@ -209,4 +255,5 @@ def report() -> dict:
         "gdn_block_kernel_in_compile": gdn.BLOCK_KERNEL_IN_COMPILE,
         "gdn_kernel_checks": {str(k[:4]) + f" {k[4]}": v or "ok" for k, v in _checked.items()},
         "few_row_qmm_kernel": dict(_qmm),
+        "draft_kernels": dict(_draft),
     }

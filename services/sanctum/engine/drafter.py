@@ -20,7 +20,7 @@ import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.utils import dequantize_model
 
-from . import cpu, cuda, fused
+from . import cpu, cuda, draft_cuda, fused
 from .attention import scaled_dot_product_attention
 from .drafter_config import DrafterConfig
 from .target import CheckpointError, read_config, resolve_checkpoint
@@ -98,6 +98,13 @@ class ContextCache:
             mask = masks[key] = padded_block_mask(*key)
         return FetchedContext(keys, values, mask)
 
+    def bounds(self) -> mx.array:
+        """int32 [begin, end, capacity]: what the CUDA attention kernel reads the buffer by."""
+        return mx.array([self.begin, self.end, self.keys.shape[2]], mx.int32)
+
+    def buffered(self) -> BufferContext:
+        return BufferContext(self.keys, self.values, self.bounds())
+
     def bucket(self) -> int:
         """Rows `padded` pads a sliding layer's context to: the next multiple of STEP, at most
         the window (so a few shapes in all, and one once the window is full)."""
@@ -124,6 +131,15 @@ class FetchedContext:
 
     def block_mask(self, num_rows: int, causal: bool, window: int | None) -> mx.array:
         return self.mask
+
+
+class BufferContext:
+    """A context cache's whole buffer and the rows in use (`ContextCache.bounds`), as the CUDA
+    attention kernel reads them: the same shapes every round until the buffer is regrown, so
+    the compiled stack needs no padding and no mask."""
+
+    def __init__(self, keys: mx.array, values: mx.array, bounds: mx.array):
+        self.keys, self.values, self.bounds = keys, values, bounds
 
 
 # A draft body whose layers all slide runs them as one compiled graph (DraftBody._compilable);
@@ -212,7 +228,50 @@ class DraftAttention(nn.Module):
             projected = projected and tuple(t[:, skip:] for t in projected)
         cache.append(*self._kv(ctx, start, projected))
 
+    def kernel_spec(self) -> draft_cuda.AttentionSpec | None:
+        """This layer as the CUDA kernel takes it, or None where the kernel does not apply (a
+        RoPE other than plain rotate-half over the whole head)."""
+        rope = self.rope
+        if type(rope) is not nn.RoPE or rope.traditional or rope.dims != self.head_dim:
+            return None
+        return draft_cuda.AttentionSpec(
+            heads=self.n_heads,
+            kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            window=self.window,
+            causal=bool(self.causal),
+            eps=float(self.q_norm.eps),
+            scale=float(self.scale),
+            rope_base=float(rope.base),
+            rope_scale=float(rope.scale),
+        )
+
+    def _through_kernel(self, x: mx.array, start, cache) -> mx.array | None:
+        """The block's attention by the checked CUDA kernel (`cuda.prepare_drafter` sets
+        `_kernel`), or None where it does not take this call (then the MLX path runs)."""
+        kernel = self.__dict__.get("_kernel")
+        if kernel is None or x.dtype != mx.bfloat16:
+            return None
+        if isinstance(cache, ContextCache):
+            if cache.keys is None or cache.keys.dtype != mx.bfloat16:
+                return None
+            cache = cache.buffered()
+        if not isinstance(cache, BufferContext):
+            return None
+        qkv = fused.joined(self, fused.QKV, x)
+        if qkv is None:
+            return None
+        fn, spec, inv_freq = kernel
+        if not draft_cuda.attention_supported(spec, x.shape[1]):
+            return None
+        start = start if isinstance(start, mx.array) else mx.array(start, mx.int32)
+        norms = (self.q_norm.weight, self.k_norm.weight)
+        out = fn(qkv, *norms, cache.keys, cache.values, start, cache.bounds, spec, inv_freq)
+        return self.o_proj(out)
+
     def __call__(self, x: mx.array, start: int, cache: ContextCache) -> mx.array:
+        if (out := self._through_kernel(x, start, cache)) is not None:
+            return out
         B, L, _ = x.shape
         q, k, v = fused.project(self, fused.QKV, x)
         q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
@@ -307,13 +366,33 @@ class DraftLayer(nn.Module):
             x = x + attend(self.input_layernorm(x))
             return x + self.mlp(self.post_attention_layernorm(x))
         y = self.input_layernorm(x)
+        apply = self._conv_apply(y)
         conv = self.attention_conv
         ker = conv.kernels(y)
-        x = x + conv.apply(attend(conv.apply(y, ker, 0)), ker, 1)
+        x = apply(conv, attend(apply(conv, y, ker, 0)), ker, 1, x)
         y = self.post_attention_layernorm(x)
         conv = self.mlp_conv
         ker = conv.kernels(y)
-        return x + conv.apply(self.mlp(conv.apply(y, ker, 0)), ker, 1)
+        return apply(conv, self.mlp(apply(conv, y, ker, 0)), ker, 1, x)
+
+    def _conv_apply(self, y: mx.array):
+        """(conv, x, kernels, which, residual=None) -> conv.apply(x, kernels, which) + residual:
+        by the checked CUDA kernel (`cuda.prepare_drafter` sets `_conv_kernel`) for bfloat16
+        rows, else by MLX's ops."""
+        kernel = self.__dict__.get("_conv_kernel")
+        if kernel is not None and y.dtype == mx.bfloat16:
+
+            def apply(conv, x, ker, which, residual=None):
+                base = conv.base_kernel
+                return kernel(x, ker.reshape(*x.shape[:2], -1), base, which, conv.group, residual)
+
+            return apply
+
+        def apply(conv, x, ker, which, residual=None):
+            out = conv.apply(x, ker, which)
+            return out if residual is None else residual + out
+
+        return apply
 
 
 class DraftBody(nn.Module):
@@ -348,12 +427,33 @@ class DraftBody(nn.Module):
         h = block_embeds
         if self.cfg.input_embedding_scale != 1.0:
             h = h * self.cfg.input_embedding_scale
+        if self._buffers_compilable(cache, h):
+            context = [t for c in cache for t in (c.keys, c.values, c.bounds())]
+            return self._compiled_stack(BufferContext)(h, mx.array(start, mx.int32), *context)
         if self._compilable(cache):
             context = self.padded_context(cache, h.shape[1])
             return self._compiled_stack()(h, mx.array(start), *context)
         for layer, c in zip(self.layers, cache):
             h = layer(h, start, c)
         return self.norm(h)
+
+    def _buffers_compilable(self, cache: list[ContextCache], h: mx.array) -> bool:
+        """Whether the layer stack runs compiled over the context buffers themselves: every
+        layer's attention goes through the CUDA kernel (`DraftAttention._through_kernel`), which
+        reads the rows in use by their bounds, so no padding, no mask and, while the buffers keep
+        their shapes, one graph."""
+        return (
+            COMPILE_DRAFTS
+            and h.dtype == mx.bfloat16
+            and all(
+                "_kernel" in layer.self_attn.__dict__
+                and draft_cuda.attention_supported(layer.self_attn._kernel[1], h.shape[1])
+                and fused.is_fused(layer.self_attn, fused.QKV)
+                and c.keys is not None
+                and c.keys.dtype == mx.bfloat16
+                for layer, c in zip(self.layers, cache)
+            )
+        )
 
     def _compilable(self, cache: list[ContextCache]) -> bool:
         """Whether the layer stack runs as one compiled graph: every layer slides with a plain
@@ -382,20 +482,41 @@ class DraftBody(nn.Module):
             out += [fetched.keys, fetched.values, fetched.mask]
         return out
 
-    def _compiled_stack(self):
-        """The layers and the final norm over padded context rows and their masks, the anchor's
-        position an array input (one graph per bucket shape). The weights are captured at the
-        first trace: an inference body's (training runs `DraftLayer.run`, never this)."""
-        fn = self.__dict__.get("_stack")
+    def _compiled_stack(self, context=FetchedContext):
+        """The layers and the final norm over each layer's context as three arrays (`context`:
+        padded rows, their values and the block mask; or, for the CUDA kernel, the buffers and
+        their bounds), the anchor's position an array input (one graph per shape). The weights
+        are captured at the first trace: an inference body's (training runs `DraftLayer.run`,
+        never this)."""
+        name = "_stack" if context is FetchedContext else "_stack_buffers"
+        fn = self.__dict__.get(name)
         if fn is None:
 
             def stack(h, start, *ctx):
                 for i, layer in enumerate(self.layers):
-                    h = layer(h, start, FetchedContext(*ctx[3 * i : 3 * i + 3]))
+                    h = layer(h, start, context(*ctx[3 * i : 3 * i + 3]))
                 return self.norm(h)
 
-            fn = self.__dict__["_stack"] = mx.compile(stack)
+            fn = self.__dict__[name] = mx.compile(stack)
         return fn
+
+    def use_kernels(self, attention: bool, conv: bool) -> None:
+        """Route every layer's block attention and DFlash 2 convolutions through the CUDA
+        kernels of draft_cuda.py (`cuda.prepare_drafter`, after their check agreed), or back to
+        MLX's ops (False; training always: a kernel takes no gradient)."""
+        for layer in self.layers:
+            attn = layer.self_attn
+            spec = attn.kernel_spec() if attention else None
+            if spec is not None:
+                attn.__dict__["_kernel"] = (draft_cuda.block_attention, spec, spec.inv_freq())
+            else:
+                attn.__dict__.pop("_kernel", None)
+            if conv and "attention_conv" in layer:
+                layer.__dict__["_conv_kernel"] = draft_cuda.dynamic_conv
+            else:
+                layer.__dict__.pop("_conv_kernel", None)
+        for name in [k for k in self.__dict__ if k.startswith("_stack")]:
+            del self.__dict__[name]  # graphs traced with the other routing
 
 
 # ---- the head --------------------------------------------------------------------------
@@ -674,6 +795,7 @@ def load_drafter(
         fused.fuse_drafter(body)  # q/k/v and gate/up each one product
         if bits == 4:  # on CUDA, a block's few-row products through the checked 4-bit kernel
             cuda.prepare_linear(body)
+        cuda.prepare_drafter(body)  # on CUDA, the block attention and convolutions fused
     if parts in ("both", "head"):
         if target is None and parts == "both":
             raise ValueError("the head needs the target's LM head")

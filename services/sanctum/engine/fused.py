@@ -79,6 +79,10 @@ class FusedProjection:
         )
 
     def __call__(self, x: mx.array) -> list[mx.array]:
+        return mx.split(self.joined(x), self.splits, axis=-1)
+
+    def joined(self, x: mx.array) -> mx.array:
+        """The product over the concatenated weight, its outputs side by side (unsplit)."""
         a = self.arrays
         y = self.kernel(x, *a.values()) if self.kernel is not None else None
         if y is None:  # no kernel, or one that does not take x: MLX's matmul
@@ -87,7 +91,7 @@ class FusedProjection:
             else:
                 w, scales, biases = a["weight"], a["scales"], a.get("biases")
                 y = mx.quantized_matmul(x, w, scales, biases, transpose=True, **self.quant)
-        return mx.split(y, self.splits, axis=-1)
+        return y
 
 
 def _fusable(layers: list) -> bool:
@@ -142,6 +146,13 @@ def _for(owner: nn.Module, names: tuple[str, ...], x: mx.array) -> FusedProjecti
         del groups[names]  # stale: the layers compute on their own from now on
         return None
     return fused
+
+
+def joined(owner: nn.Module, names: tuple[str, ...], x: mx.array) -> mx.array | None:
+    """The group's outputs side by side in one array (what a kernel reading them all takes),
+    or None where `x` does not take the fused product (`_for`)."""
+    fused = _for(owner, names, x)
+    return fused.joined(x) if fused is not None else None
 
 
 def project(owner: nn.Module, names: tuple[str, ...], x: mx.array) -> list[mx.array]:

@@ -190,6 +190,7 @@ def init_trainee(path: str | Path, target: Target) -> tuple[Trainee, dict]:
 
     drafter = load_drafter(path, target)
     fused.unfuse(drafter.body)  # trained: every layer computes from its own parameters
+    drafter.body.use_kernels(attention=False, conv=False)  # and by MLX's ops (gradients)
     raw = json.loads((Path(drafter.path) / "config.json").read_text())
     raw.pop("quantization", None)
     trainee = Trainee(drafter.body, drafter.head.get("candidate_selector"))
