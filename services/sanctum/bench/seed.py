@@ -218,19 +218,16 @@ def plain_figures(target, prompt: list[int], n: int, repeats: int, kv: str) -> d
     return out, tokens
 
 
-def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_tokens) -> dict:
-    """The round split at forced acceptance (phases synced), break-even tau and projections;
-    the speed-up measured at each forced tau (no phase syncs); the real rule's output."""
-    L = drafter.block_size
-    decode_ms = 1000 / plain_tok_s
-    forced = ForcedDecoder(target, drafter, L, split_tau)
+def round_split(target, drafter, prompt, n, kv, split_tau) -> dict:
+    """Rounds at forced acceptance with each phase synced: the mean and median split, the
+    draft's pieces, each phase's share."""
+    forced = ForcedDecoder(target, drafter, drafter.block_size, split_tau)
     forced.profile = True
-    _decode(forced, prompt, 2 * L, kv)
+    _decode(forced, prompt, 2 * drafter.block_size, kv)
     forced.draft_pieces.clear()
     rounds = _decode(forced, prompt, n, kv)[1]
     split = _round_split(rounds)
-    total = split["total"]
-    out = {
+    return {
         "round_ms": split,
         # the same, each phase's median round: a mean well above it means a few slow rounds
         "round_ms_median": _round_split(rounds, statistics.median),
@@ -238,10 +235,19 @@ def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_
         "draft_pieces_ms": {
             k: round(1000 * statistics.median(v), 3) for k, v in forced.draft_pieces.items()
         },
-        "round_share": {p: round(v / total, 3) for p, v in split.items() if p != "total"},
-        "break_even_tau": round(total / decode_ms, 3),
-        "projected_speedup": {t: round(t * decode_ms / total, 3) for t in TAUS},
+        "round_share": {p: round(v / split["total"], 3) for p, v in split.items() if p != "total"},
     }
+
+
+def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_tokens) -> dict:
+    """The round split at forced acceptance (phases synced), break-even tau and projections;
+    the speed-up measured at each forced tau (no phase syncs); the real rule's output."""
+    L = drafter.block_size
+    decode_ms = 1000 / plain_tok_s
+    out = round_split(target, drafter, prompt, n, kv, split_tau)
+    total = out["round_ms"]["total"]
+    out["break_even_tau"] = round(total / decode_ms, 3)
+    out["projected_speedup"] = {t: round(t * decode_ms / total, 3) for t in TAUS}
     measured = {}
     for tau in TAUS:
         tokens, _, s = _decode(ForcedDecoder(target, drafter, L, min(tau, L)), prompt, n, kv)
@@ -328,6 +334,18 @@ def seed(args) -> dict:
         )
         result.update(rounds)
         say(f"rounds: {json.dumps(rounds)}")
+        kernels = cuda.report()["draft_kernels"]
+        if kernels["attention_layers"] or kernels["conv_layers"]:  # their before/after
+            body = drafter.body
+            body.use_kernels(attention=False, conv=False)
+            try:
+                off = round_split(target, drafter, prompt, n, kv, args.split_tau)
+            finally:
+                body.use_kernels(
+                    attention=bool(kernels["attention_layers"]), conv=bool(kernels["conv_layers"])
+                )
+            result["without_draft_kernels"] = off
+            say(f"rounds without the draft kernels: {json.dumps(off)}")
     if not args.no_ablations:  # after the headline figures: each recompiles every graph
         result.update(verify_ablations(target, prompt, tap_ids, args.reps, kv, say))
     if drafter is None:  # --plain-only
