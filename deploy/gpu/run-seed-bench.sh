@@ -12,6 +12,7 @@
 #   cuda         sanctum bench cuda: fused GDN kernel vs mlx-lm's ops, Q8 attention, e2e     ~0.5 min
 #   kernels      deploy/gpu/kernel_trace.py: kernels and GPU busy time per piece of a round
 #                (16 target layers; counts where torch's profiler imports)                 ~0.5-1 min
+#   kernels-mlx-draft  the same with the drafter's CUDA kernels off (SANCTUM_DRAFT_KERNELS)  ~0.5-1 min
 #   pytest-cuda  tests/test_cuda.py, when pytest imports                                     ~0.5 min
 #   mlx-*        a 16-layer target, plain vs mlx-lm and verify/decode, under MLX's own
 #                command-buffer settings (default, bigger buffers, no CUDA graphs)           ~2 min
@@ -66,6 +67,9 @@ done
 step cuda json 40 "${bench[@]}" cuda --json
 # shellcheck disable=SC2086
 step kernels json 40 $py deploy/gpu/kernel_trace.py --dir "$seed_dir" ${TRACE_ARGS:---layers 16}
+# shellcheck disable=SC2086  # the same trace with the drafter's CUDA kernels off: their before/after
+SANCTUM_DRAFT_KERNELS=off \
+  step kernels-mlx-draft json 40 $py deploy/gpu/kernel_trace.py --dir "$seed_dir" ${TRACE_ARGS:---layers 16}
 if $py -c 'import pytest' 2>/dev/null; then
   step pytest-cuda txt 40 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
 fi

@@ -66,6 +66,13 @@ def main(out: Path) -> None:
         ),
         ("seed: round shares", get(seed, "round_share"), "draft <= 0.15, rollback <= 0.05"),
         ("seed: draft pieces ms (synced)", get(seed, "draft_pieces_ms"), "where the draft goes"),
+        ("seed: draft kernels", get(seed, "policy", "draft_kernels"), "checked at load"),
+        (
+            "seed: round ms, shares without the draft kernels",
+            f"{get(seed, 'without_draft_kernels', 'round_ms')}; "
+            f"{get(seed, 'without_draft_kernels', 'round_share')}",
+            "(before/after)",
+        ),
         ("seed: break-even tau", get(seed, "break_even_tau"), "<= 1.6 (was 2.8)"),
         (
             "seed: projected speed-up at tau 5",
