@@ -327,24 +327,17 @@ def chunked_gated_delta(
     else:
         S = state.astype(mx.float32).swapaxes(-1, -2)  # [B, H, Dk, Dv]
     # Per chunk, with v_new = u - w @ S the corrected values: out = (q e^d) @ S + A @ v_new and
-    # S' = e^last S + kd^T @ v_new, the state update `state_after` makes. (Folded into one
-    # matmul-add per chunk, S' = (e^last I - kd^T w) S + kd^T u, its products e^(last - d) e^d'
-    # underflowed: subnormal floats, which made a verify block's state cost 1-7 ms a layer on
-    # this CPU against 0.3.)
+    # S' = e^last S + kd^T @ v_new, which is `state_after` over the whole chunk (so a verify
+    # block's final state is the one a rollback to all its rows makes). Folded into one
+    # matmul-add, S' = (e^last I - kd^T w) S + kd^T u, its products e^(last - d) e^d' underflowed
+    # to subnormal floats: a verify block's state cost 1-7 ms a layer on this CPU, not 0.3.
     A = (q @ k.swapaxes(-1, -2)) * L  # [B, H, N, C, C]
-    if N == 1:  # a verify block, a short prefill: the state exactly as a rollback makes it
-        S_in = S[:, :, None]
-        v_new = u[:, :, 0] - w[:, :, 0] @ S
-        S = state_after(S.swapaxes(-1, -2), k[:, :, 0], decay[:, :, 0], v_new, C).swapaxes(-1, -2)
-    else:
-        last = decay[..., -1:]  # [B, H, N, 1]
-        kd = (k * decay_exp(last - decay)[..., None]).swapaxes(-1, -2)  # [B, H, N, Dk, C]
-        fade = decay_exp(last)[..., None]  # [B, H, N, 1, 1]
-        states = []  # the state entering each chunk
-        for i in range(N):
-            states.append(S)
-            S = fade[:, :, i] * S + kd[:, :, i] @ (u[:, :, i] - w[:, :, i] @ S)
-        S_in = mx.stack(states, axis=2)  # [B, H, N, Dk, Dv]
+    states = []  # the state entering each chunk
+    for i in range(N):
+        states.append(S)
+        v_new = u[:, :, i] - w[:, :, i] @ S  # [B, H, C, Dv]
+        S = state_after(S.swapaxes(-1, -2), k[:, :, i], decay[:, :, i], v_new, C).swapaxes(-1, -2)
+    S_in = mx.stack(states, axis=2)  # [B, H, N, Dk, Dv]
     out = (q * decay_exp(decay)[..., None] - A @ w) @ S_in + A @ u  # [B, H, N, C, Dv]
     y = mx.moveaxis(out, 1, 3).reshape(B, N * C, Hv, Dv)[:, :T]
     if parts:
