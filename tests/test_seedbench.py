@@ -96,7 +96,7 @@ def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
                SEED_DIR=str(tmp_path / "seed"), SPEC_ARGS="--max-tokens 12 --repeats 1",
                SEED_ARGS="--layers 2 --max-tokens 8 --repeats 1 --reps 1 --prompt-tokens 16",
                VARIANT_ARGS="--layers 2 --max-tokens 8 --repeats 1 --reps 1 --prompt-tokens 16",
-               TRACE_ARGS="--small --layers 2 --calls 1")  # fmt: skip
+               TRACE_ARGS="--small --layers 2 --calls 1", DEADLINE="1200")  # fmt: skip
     run = subprocess.run(["bash", "deploy/gpu/run-seed-bench.sh"], cwd=root, env=env,
                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

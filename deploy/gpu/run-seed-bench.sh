@@ -7,13 +7,15 @@
 # Steps, most important first; each one's JSON (and stderr) under $OUT (default
 # /tmp/sanctum-seed-bench), the summary table last (summary.md). Rough H200 times:
 #   seed         sanctum bench seed --json: the first run builds ~19 GB of checkpoints under
-#                SEED_DIR (default ~/.cache/sanctum/seed), later runs reuse them    ~3-4 min (~2 reused)
-#   default-*    sanctum bench speculative, embedded pair, blocks 8 and 16, fp16 and q8      ~1.5 min
-#   cuda         sanctum bench cuda: fused GDN kernel vs mlx-lm's ops, Q8 attention, e2e     ~0.5 min
+#                SEED_DIR (default ~/.cache/sanctum/seed), later runs reuse them    ~9 min (12-03: 524 s
+#                on a fresh machine, phases and ablations included)
+#   default-*    sanctum bench speculative, embedded pair, blocks 8 and 16, fp16 and q8      ~4 min
+#   cuda         sanctum bench cuda: fused GDN kernel vs mlx-lm's ops, Q8 attention, e2e     ~3 min
 #   kernels      deploy/gpu/kernel_trace.py: kernels and GPU busy time per piece of a round
-#                (16 target layers; counts where torch's profiler imports)                 ~0.5-1 min
-#   kernels-mlx-draft  the same with the drafter's CUDA kernels off (SANCTUM_DRAFT_KERNELS)  ~0.5-1 min
-#   pytest-cuda  tests/test_cuda.py, when pytest imports                                     ~0.5 min
+#                (16 target layers; counts where torch's profiler imports): over 200 s on a
+#                fresh machine (its 16-layer checkpoint, MLX's first compilations)       ~1-4 min
+#   kernels-mlx-draft  the same with the drafter's CUDA kernels off (SANCTUM_DRAFT_KERNELS)  ~2 min
+#   pytest-cuda  tests/test_cuda.py, when pytest imports: over 150 s on a fresh machine     ~3 min
 #   mlx-*        a 16-layer target, plain vs mlx-lm and verify/decode, under MLX's own
 #                command-buffer settings (default, bigger buffers, no CUDA graphs)           ~2 min
 # A step starts only while DEADLINE (default 540) seconds have not passed, so the whole run
@@ -66,12 +68,12 @@ for kv in fp16 q8; do
 done
 step cuda json 40 "${bench[@]}" cuda --json
 # shellcheck disable=SC2086
-step kernels json 40 $py deploy/gpu/kernel_trace.py --dir "$seed_dir" ${TRACE_ARGS:---layers 16}
+step kernels json 240 $py deploy/gpu/kernel_trace.py --dir "$seed_dir" ${TRACE_ARGS:---layers 16}
 # shellcheck disable=SC2086  # the same trace with the drafter's CUDA kernels off: their before/after
 SANCTUM_DRAFT_KERNELS=off \
-  step kernels-mlx-draft json 40 $py deploy/gpu/kernel_trace.py --dir "$seed_dir" ${TRACE_ARGS:---layers 16}
+  step kernels-mlx-draft json 150 $py deploy/gpu/kernel_trace.py --dir "$seed_dir" ${TRACE_ARGS:---layers 16}
 if $py -c 'import pytest' 2>/dev/null; then
-  step pytest-cuda txt 40 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  step pytest-cuda txt 200 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
 fi
 variant=(seed --json --dir "$seed_dir" --plain-only --no-phases --no-ablations --kv fp16)
 # shellcheck disable=SC2086
