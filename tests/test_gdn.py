@@ -60,7 +60,7 @@ def test_block_final_state_is_the_rollback_to_all_rows(T):
     `state_after(keep)` from the tape. Both must be one computation, so that a sequence's
     state does not depend on whether its last block was rolled back."""
     q, k, v, log_g, beta, state = _inputs(T, seed=1)
-    y, final, parts = gdn.chunked_gated_delta(q, k, v, log_g, beta, state, parts=True, lapack=True)
+    _, final, parts = gdn.chunked_gated_delta(q, k, v, log_g, beta, state, parts=True, lapack=True)
     assert np.array_equal(np.array(final), np.array(gdn.state_after(state, *parts, T)))
     # and the rollback to fewer rows is the pass over those rows alone
     for keep in (1, T - 1):

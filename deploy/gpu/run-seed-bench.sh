@@ -19,7 +19,8 @@
 #   mlx-*        a 16-layer target, plain vs mlx-lm and verify/decode, under MLX's own
 #                command-buffer settings (default, bigger buffers, no CUDA graphs)           ~2 min
 # A step starts only while DEADLINE (default 540) seconds have not passed, so the whole run
-# ends inside a 10-minute limit with what it finished.
+# ends inside a 10-minute limit with what it finished; on a fresh machine all steps need
+# DEADLINE=1500 or so (run it detached and collect $OUT after).
 # MLX compiles its CUDA kernels at first use, ~150-190 s of a run on a fresh machine; the
 # compiled kernels are kept beside the checkpoints (MLX_PTX_CACHE_DIR, default
 # ~/.cache/sanctum/cuda-ptx; MLX's own default is under /tmp), so a later run skips that.
