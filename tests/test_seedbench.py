@@ -5,6 +5,7 @@ GPU machine; and the seed checkpoints' shapes."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,10 +16,11 @@ import pytest
 NO_RAY = "import sys; sys.modules.update(ray=None, grpc=None); from sanctum.cli import main; "
 
 
-def sanctum(*argv: str, timeout: int = 300) -> dict:
+def sanctum(*argv: str, timeout: int = 300, env: dict | None = None) -> dict:
     code = NO_RAY + f"sys.exit(main({list(argv)!r}))"
+    env = {**os.environ, **env} if env else None
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=timeout, check=False)  # fmt: skip
+                         timeout=timeout, check=False, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 
@@ -44,8 +46,10 @@ def test_seed_config_is_qwen35_27b_and_the_seed_drafter():
 
 @pytest.mark.slow
 def test_bench_seed_layers_4_json_runs_on_the_cpu(tmp_path):
+    # drafting ahead forced on (a GPU's default), so that its before/after is reported too
     r = sanctum("bench", "seed", "--layers", "4", "--json", "--dir", str(tmp_path),
-                "--max-tokens", "16", "--repeats", "1", "--reps", "1", "--prompt-tokens", "32")  # fmt: skip
+                "--max-tokens", "16", "--repeats", "1", "--reps", "1", "--prompt-tokens", "32",
+                env={"SANCTUM_DRAFT_AHEAD": "on"})  # fmt: skip
     for key in ("plain_tok_s", "mlx_lm_tok_s", "verify_ratio", "round_ms", "break_even_tau",
                 "projected_speedup"):  # fmt: skip
         assert key in r, key
@@ -64,6 +68,9 @@ def test_bench_seed_layers_4_json_runs_on_the_cpu(tmp_path):
     assert 0 < sum(pieces.values()) <= split["draft"] * 1.5
     tau5 = r["projected_speedup"]["5"]
     assert tau5 == pytest.approx(5 / r["break_even_tau"], rel=0.01)
+    for unsynced in (r, r["without_draft_ahead"]):  # rounds as the engine runs them
+        assert set(unsynced["measured_speedup"]) == {"4", "5", "6", "8"}
+        assert unsynced["unsynced_round_ms"] > 0 and unsynced["unsynced_break_even_tau"] > 0
     # exactness at seed shapes (CPU: float32): plain == mlx-lm, speculative == plain
     assert r["plain_equals_mlx_lm_tokens_same_prefill"] == "16/16"
     assert r["speculative_equals_plain_tokens"] == "16/16"

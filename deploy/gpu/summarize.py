@@ -81,6 +81,18 @@ def main(out: Path) -> None:
         ),
         ("seed: projected at tau 4/5/6/8", get(seed, "projected_speedup"), ""),
         ("seed: measured at forced tau 4/5/6/8", get(seed, "measured_speedup"), ""),
+        (
+            "seed: unsynced round ms, break-even tau (drafting ahead)",
+            f"{get(seed, 'unsynced_round_ms')}, {get(seed, 'unsynced_break_even_tau')}",
+            "<= 1.6",
+        ),
+        (
+            "seed: the same without drafting ahead; measured at forced tau",
+            f"{get(seed, 'without_draft_ahead', 'unsynced_round_ms')}, "
+            f"{get(seed, 'without_draft_ahead', 'unsynced_break_even_tau')}; "
+            f"{get(seed, 'without_draft_ahead', 'measured_speedup')}",
+            "(before/after)",
+        ),
         ("seed: speculative == plain tokens", get(seed, "speculative_equals_plain_tokens"), ""),
         (
             "seed: q8 plain, speculative(tau 5) tok/s",

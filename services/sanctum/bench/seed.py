@@ -7,7 +7,8 @@ verify(L) / decode(1) for L = 4, 8, 16, the round split (draft, verify, rollback
 break-even tau (round / decode), the projected speed-up at tau 4, 5, 6, 8 (tau * decode /
 round) and, to check the projection, the measured speed-up with acceptance forced to each tau
 (random weights accept nothing; the forced round runs the real drafter, verify and rollback
-and commits tau tokens). Per-phase timings (seedphases.py) say where a forward's time goes.
+and commits tau tokens), with and without drafting ahead where the engine drafts ahead (a GPU:
+`Decoder.draft_ahead`; the synced split cannot, each phase waits for the one before). Per-phase timings (seedphases.py) say where a forward's time goes.
 `--json` prints one object with the keys plain_tok_s, mlx_lm_tok_s, verify_ratio (L -> ratio),
 round_ms, break_even_tau and projected_speedup (tau -> x), build_ms (host time building the
 graphs of decode(1), verify(L) and its rollback, before the evaluation), and the rest.
@@ -51,6 +52,12 @@ class ForcedDecoder(Decoder):
             return super()._accept(drafts, q, logits, params, key)
         accepted = min(self.tau - 1, drafts.shape[0])
         return accepted, int(greedy_tokens(logits)[accepted].item())
+
+    def _lazy_accept(self, drafts, logits):
+        if self.tau is None:
+            return super()._lazy_accept(drafts, logits)
+        accepted = min(self.tau - 1, drafts.shape[0])
+        return mx.array(accepted, mx.int32), greedy_tokens(logits)[accepted].astype(mx.int32)
 
 
 def _decode(decoder: Decoder, prompt: list[int], max_tokens: int, kv: str):
@@ -239,6 +246,24 @@ def round_split(target, drafter, prompt, n, kv, split_tau) -> dict:
     }
 
 
+def unsynced_rounds(target, drafter, prompt, n, kv, split_tau, plain_tok_s, ahead) -> dict:
+    """Rounds as the engine runs them (no phase synced) at each forced tau, drafting ahead or
+    not: the speed-up over plain decoding, and at `split_tau` the mean round's ms and the
+    break-even tau it gives (round / decode step), to set beside the synced split's."""
+    L = drafter.block_size
+    out: dict = {"measured_speedup": {}}
+    for tau in TAUS:
+        decoder = ForcedDecoder(target, drafter, L, min(tau, L))
+        decoder.draft_ahead = ahead
+        tokens, stats, s = _decode(decoder, prompt, n, kv)
+        out["measured_speedup"][tau] = round((len(tokens) - 1) / s / plain_tok_s, 3)
+        if tau == split_tau:
+            round_ms = 1000 * s / len(stats)
+            out["unsynced_round_ms"] = round(round_ms, 3)
+            out["unsynced_break_even_tau"] = round(round_ms * plain_tok_s / 1000, 3)
+    return out
+
+
 def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_tokens) -> dict:
     """The round split at forced acceptance (phases synced), break-even tau and projections;
     the speed-up measured at each forced tau (no phase syncs); the real rule's output."""
@@ -248,11 +273,12 @@ def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_
     total = out["round_ms"]["total"]
     out["break_even_tau"] = round(total / decode_ms, 3)
     out["projected_speedup"] = {t: round(t * decode_ms / total, 3) for t in TAUS}
-    measured = {}
-    for tau in TAUS:
-        tokens, _, s = _decode(ForcedDecoder(target, drafter, L, min(tau, L)), prompt, n, kv)
-        measured[tau] = round((len(tokens) - 1) / s / plain_tok_s, 3)
-    out["measured_speedup"] = measured
+    ahead = ForcedDecoder(target, drafter, L, None).draft_ahead  # the engine's default here
+    out.update(unsynced_rounds(target, drafter, prompt, n, kv, split_tau, plain_tok_s, ahead))
+    if ahead:  # the same rounds drafting after the acceptance is read: its before/after
+        out["without_draft_ahead"] = unsynced_rounds(
+            target, drafter, prompt, n, kv, split_tau, plain_tok_s, False
+        )
     s_tokens, stats, _ = _decode(ForcedDecoder(target, drafter, L, None), prompt, n, kv)
     out["speculative_equals_plain_tokens"] = f"{_same_prefix(s_tokens, plain_tokens)}/{n}"
     spec = [s.accepted for s in stats if s.bs > 1]

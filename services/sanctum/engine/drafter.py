@@ -45,13 +45,35 @@ class ContextCache:
         self.keys: mx.array | None = None  # [B, n_kv, capacity, d]
         self.values: mx.array | None = None
         self.begin = self.end = 0  # the rows in use: keys[..., begin:end, :]
+        # rows written after `end` whose count the device knows and the host not yet (a block
+        # drafted before its round's acceptance is read: `append_unsettled`)
+        self.unsettled: mx.array | None = None
 
     def append(self, keys: mx.array, values: mx.array) -> None:
+        self._write(keys, values, keys.shape[2])
+        self._advance(keys.shape[2])
+
+    def append_unsettled(self, keys: mx.array, values: mx.array, count: mx.array) -> None:
+        """Write n rows after `end` of which only the first `count` (an int32 array, not yet
+        evaluated) are context: `bounds` counts them, and `settle` once the host knows the
+        count. The rows after them are overwritten by the next append."""
+        assert self.unsettled is None, "settle the rows appended before"
+        self._write(keys, values, 1)
+        self.unsettled = count
+
+    def settle(self, count: int) -> None:
+        """The host learns how many rows of the unsettled append are context."""
+        self.unsettled = None
+        self._advance(count)
+
+    def _write(self, keys: mx.array, values: mx.array, used: int) -> None:
+        """Write the n rows after `end`, the buffer regrown first if they do not fit; at least
+        `used` of them will be in use (the rows that then slide out are not kept)."""
         n = keys.shape[2]
         if self.keys is None or self.end + n > self.keys.shape[2]:
             held = self.end - self.begin
             if self.window is not None:
-                held = min(held, max(0, self.window - n))
+                held = min(held, max(0, self.window - used))
             B, H, _, D = keys.shape
             front = self.window or 0
             capacity = front + held + n + self.STEP
@@ -64,11 +86,14 @@ class ContextCache:
             self.keys, self.values, self.begin, self.end = new_k, new_v, front, front + held
         self.keys[..., self.end : self.end + n, :] = keys
         self.values[..., self.end : self.end + n, :] = values
+
+    def _advance(self, n: int) -> None:
         self.end += n
         if self.window is not None:
             self.begin = max(self.begin, self.end - self.window)
 
     def fetch(self) -> tuple[mx.array, mx.array]:
+        assert self.unsettled is None, "rows in use unknown on the host: read by `bounds`"
         return (
             self.keys[..., self.begin : self.end, :],
             self.values[..., self.begin : self.end, :],
@@ -99,8 +124,16 @@ class ContextCache:
         return FetchedContext(keys, values, mask)
 
     def bounds(self) -> mx.array:
-        """int32 [begin, end, capacity]: what the CUDA attention kernel reads the buffer by."""
-        return mx.array([self.begin, self.end, self.keys.shape[2]], mx.int32)
+        """int32 [begin, end, capacity]: what the CUDA attention kernel reads the buffer by
+        (unevaluated while rows are unsettled)."""
+        capacity = self.keys.shape[2]
+        if self.unsettled is None:
+            return mx.array([self.begin, self.end, capacity], mx.int32)
+        end = self.end + self.unsettled
+        begin = mx.array(self.begin, mx.int32)
+        if self.window is not None:
+            begin = mx.maximum(begin, end - self.window)
+        return mx.stack([begin, end, mx.array(capacity, mx.int32)]).astype(mx.int32)
 
     def buffered(self) -> BufferContext:
         return BufferContext(self.keys, self.values, self.bounds())
@@ -166,6 +199,23 @@ def padded_block_mask(
     return mask[None, None]  # stacks along the batch axis
 
 
+def buffer_block_mask(
+    bounds: mx.array, capacity: int, num_rows: int, causal: bool, window: int | None
+) -> mx.array:
+    """[1, 1, L, capacity + L]: `block_attention_mask` over a whole context buffer whose rows in
+    use are bounds[0]..bounds[1] (int32, maybe not evaluated yet): the same keys visible, the
+    buffer's other rows masked out. Buffer row j sits at position start - (end - j)."""
+    rows = mx.arange(num_rows)[:, None]
+    j = mx.arange(capacity)[None, :]
+    end = bounds[1]
+    ctx_ok = (j >= bounds[0]) & (j < end)
+    if window is not None:
+        ctx_ok = ctx_ok & (rows + end - j < window)
+    own = mx.arange(num_rows)[None, :] <= rows if causal else mx.ones((num_rows,) * 2, mx.bool_)
+    ctx_ok = mx.broadcast_to(ctx_ok, (num_rows, capacity))
+    return mx.concatenate([ctx_ok, own], axis=1)[None, None]
+
+
 def block_attention_mask(
     num_ctx: int, num_rows: int, causal: bool, window: int | None
 ) -> mx.array | None:
@@ -220,13 +270,21 @@ class DraftAttention(nn.Module):
         v = v.reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=start), v
 
-    def add_context(self, ctx: mx.array, start: int, cache: ContextCache, projected=None) -> None:
+    def add_context(
+        self, ctx: mx.array, start: int, cache: ContextCache, projected=None, count=None
+    ) -> None:
         """Project new context rows ([B, C, H] at positions start..) into this layer's cache;
-        `projected`: their k and v projections, made already (for several sequences at once)."""
+        `projected`: their k and v projections, made already (for several sequences at once);
+        `count`: only the first `count` rows are context (`ContextCache.append_unsettled`)."""
         if self.window is not None and (skip := ctx.shape[1] - self.window + 1) > 0:
+            assert count is None, "unsettled rows must all fit the window"
             ctx, start = ctx[:, skip:], start + skip  # rows no block row can see again
             projected = projected and tuple(t[:, skip:] for t in projected)
-        cache.append(*self._kv(ctx, start, projected))
+        kv = self._kv(ctx, start, projected)
+        if count is None:
+            cache.append(*kv)
+        else:
+            cache.append_unsettled(*kv, count)
 
     def kernel_spec(self) -> draft_cuda.AttentionSpec | None:
         """This layer as the CUDA kernel takes it, or None where the kernel does not apply (a
@@ -272,6 +330,8 @@ class DraftAttention(nn.Module):
     def __call__(self, x: mx.array, start: int, cache: ContextCache) -> mx.array:
         if (out := self._through_kernel(x, start, cache)) is not None:
             return out
+        if isinstance(cache, BufferContext):
+            return self._over_buffer(x, start, cache)
         B, L, _ = x.shape
         q, k, v = fused.project(self, fused.QKV, x)
         q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
@@ -282,6 +342,21 @@ class DraftAttention(nn.Module):
             ck, cv = cache.fetch()
             k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
         mask = cache.block_mask(L, self.causal, self.window)
+        out = scaled_dot_product_attention(q, k, v, None, self.scale, mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _over_buffer(self, x: mx.array, start, ctx: BufferContext) -> mx.array:
+        """The MLX path over a whole context buffer read by its bounds (where the kernel does
+        not run): every buffer row a key, those outside the rows in use masked out."""
+        B, L, _ = x.shape
+        q, k, v = fused.project(self, fused.QKV, x)
+        q = self.q_norm(q.reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=start)
+        k, v = self._kv(x, start, (k, v))
+        k = mx.concatenate([ctx.keys, k], axis=2)
+        v = mx.concatenate([ctx.values, v], axis=2)
+        capacity = ctx.keys.shape[2]
+        mask = buffer_block_mask(ctx.bounds, capacity, L, self.causal, self.window)
         out = scaled_dot_product_attention(q, k, v, None, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -435,6 +510,32 @@ class DraftBody(nn.Module):
             return self._compiled_stack()(h, mx.array(start), *context)
         for layer, c in zip(self.layers, cache):
             h = layer(h, start, c)
+        return self.norm(h)
+
+    def ahead(
+        self,
+        block_embeds: mx.array,  # [B, L, H]
+        start: mx.array,  # int32 []: the anchor's position, not yet evaluated
+        new_taps: mx.array,  # [B, C, n_taps * H_target]: taps of rows ctx_start ..
+        ctx_start: int,
+        count: mx.array,  # int32 []: how many of the C rows are context, not yet evaluated
+        cache: list[ContextCache],
+    ) -> mx.array:  # [B, L, H]
+        """`__call__` for a block drafted before the host has read the previous round's
+        acceptance, so before it knows how many of the verified rows are context: they go in
+        unsettled (`ContextCache.settle` once known), and every layer reads its buffer by its
+        bounds, through the CUDA kernel or the MLX path over the whole buffer."""
+        ctx = self.hidden_norm(self.fc(new_taps))
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.add_context(ctx, ctx_start, c, count=count)
+        h = block_embeds
+        if self.cfg.input_embedding_scale != 1.0:
+            h = h * self.cfg.input_embedding_scale
+        if self._buffers_compilable(cache, h):
+            context = [t for c in cache for t in (c.keys, c.values, c.bounds())]
+            return self._compiled_stack(BufferContext)(h, start, *context)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, start, c.buffered())
         return self.norm(h)
 
     def _buffers_compilable(self, cache: list[ContextCache], h: mx.array) -> bool:

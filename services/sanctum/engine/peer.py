@@ -66,6 +66,22 @@ class LocalDraftPeer:
         hidden = self.body(block_embeds[None], start, taps, self.caches[seq_id])
         return hidden[0, 1:]
 
+    def draft_ahead(self, seq_id, new_taps, ctx_start: int, count, block_embeds, start):
+        """`draft` of the next block before the host has read this round's acceptance (the
+        decoder's draft ahead): `new_taps` [L, n_taps*H] are the verified rows from `ctx_start`,
+        of which the first `count` are context, and the anchor sits at `start` (both int32
+        arrays not yet evaluated). `settle` follows once the count is read."""
+        if seq_id not in self.caches:
+            raise DraftUnavailable(f"sequence {seq_id} is not open on this drafter")
+        cache = self.caches[seq_id]
+        hidden = self.body.ahead(block_embeds[None], start, new_taps[None], ctx_start, count, cache)
+        return hidden[0, 1:]
+
+    def settle(self, seq_id: str, count: int) -> None:
+        """`count` of the rows the last `draft_ahead` sent are the sequence's context."""
+        for c in self.caches.get(seq_id, ()):
+            c.settle(count)
+
     def draft_batch(
         self, seq_ids: list[str], new_taps: list, block_embeds: mx.array, starts: list[int]
     ) -> mx.array:

@@ -73,12 +73,18 @@ def sample(probs: mx.array, key: mx.array) -> mx.array:
 
 def accept_greedy(drafts: mx.array, target_logits: mx.array) -> tuple[int, int]:
     """drafts [L-1], target logits [L, V] -> (accepted count, bonus token)."""
-    picks = greedy_tokens(target_logits)  # [L]
+    run, bonus = greedy_acceptance(drafts, target_logits)
+    mx.eval(run, bonus)  # one host sync for both
+    return int(run.item()), int(bonus.item())
+
+
+def greedy_acceptance(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, mx.array]:
+    """`accept_greedy` unevaluated: (accepted count [], bonus token []) as int32 arrays, which
+    a next block can be drafted on before the host reads them."""
+    picks = greedy_tokens(target_logits).astype(mx.int32)  # [L]
     match = (drafts == picks[:-1]).astype(mx.int32)
-    run = mx.cumprod(match).sum() if drafts.size else mx.array(0)
-    mx.eval(run, picks)  # one host sync for both
-    accepted = int(run.item())
-    return accepted, int(picks[accepted].item())
+    run = mx.cumprod(match).sum() if drafts.size else mx.array(0, mx.int32)
+    return run, mx.take(picks, run)
 
 
 def accept_sampled(

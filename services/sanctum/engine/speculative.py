@@ -33,6 +33,7 @@ from .sampling import (
     accept_block,
     accept_greedy,
     accept_sampled,
+    greedy_acceptance,
     greedy_tokens,
     probabilities,
     sample,
@@ -103,6 +104,7 @@ class Sequence:
     finished: str | None = None
     last_tape: VerifyTape | None = None  # the latest verify pass (a later truncation can reuse it)
     prefetch: Prefetch | None = None  # the next block's draft, already asked of a pipelined peer
+    next_block: NextBlock | None = None  # the next block's drafts, drafted ahead (Decoder)
     ahead: Ahead | None = None  # the anchor's plain step, already queued on the device
     width: int | None = None  # the block it drafts now (adaptive width); None: the decoder's
     # the speculation gate: running mean of tokens per round, rounds seen, plain steps left
@@ -125,6 +127,14 @@ class Ahead:
 
     token: mx.array  # [] lazy: the greedy token it yields
     states: list  # GDN (conv, state) before it, to undo it (attention KV: trimmed by one)
+
+
+@dataclass
+class NextBlock:
+    """The next round's drafts, drafted on this round's acceptance before the host read it."""
+
+    drafts: mx.array  # [L-1], maybe not evaluated yet
+    width: int
 
 
 @dataclass
@@ -174,6 +184,11 @@ class Decoder:
         # costing more: `measure_break_even`); 0: off
         self.min_tau = 0.0
         self.min_tau_sampled = 0.0
+        # draft ahead (greedy rounds, a drafter in this process): a round drafts the next block
+        # on its acceptance as the device computes it, queued behind the verify, before the
+        # host reads it, so that a GPU drafts while the host builds the next verify (and the
+        # draft's host time hides behind the verify's device time); DRAFT_AHEAD says where
+        self.draft_ahead = draft_ahead_default(target, self.peer)
         if self.cfg is not None:
             self.mask_embed = target.embed_tokens(mx.array([self.cfg.mask_token_id]))  # [1, H]
 
@@ -269,6 +284,7 @@ class Decoder:
             return
         seq.plain_left = min(GATE_PLAIN_MAX, GATE_PLAIN_STEPS << seq.gate_trips)
         seq.gate_trips += 1
+        seq.next_block = None  # drafted ahead, not wanted now
         if seq.prefetch is not None:  # a block drafted for the next round: not wanted now
             self.peer.discard(seq.prefetch.handle)  # (its context rows stay with the drafter)
             seq.prefetch = None
@@ -281,6 +297,7 @@ class Decoder:
 
     def close(self, seq: Sequence) -> None:
         self._undo_ahead(seq)
+        seq.next_block = None
         if seq.prefetch is not None:
             self.peer.discard(seq.prefetch.handle)
             seq.prefetch = None
@@ -397,9 +414,11 @@ class Decoder:
         elif accepted == width - 1 and width < self.block_size:
             seq.width = min(self.block_size, width * 2)
 
-    def _block_embeds(self, anchor: int, size: int) -> mx.array:
-        """[L, H]: the anchor's embedding, then L-1 mask embeddings."""
-        anchor_embed = self.target.embed_tokens(mx.array([anchor]))
+    def _block_embeds(self, anchor: int | mx.array, size: int) -> mx.array:
+        """[L, H]: the anchor's embedding, then L-1 mask embeddings (`anchor`: a token, or
+        one as an array [1] not evaluated yet)."""
+        ids = anchor if isinstance(anchor, mx.array) else mx.array([anchor])
+        anchor_embed = self.target.embed_tokens(ids)
         return mx.concatenate([anchor_embed, mx.repeat(self.mask_embed, size - 1, 0)])
 
     def _prefetch(self, seq: Sequence, start: int) -> None:
@@ -437,6 +456,9 @@ class Decoder:
 
     def _draft(self, seq: Sequence, params: SamplingParams, key: mx.array):
         """Propose L-1 tokens; returns (drafts [L-1], q [L-1, V] or None when greedy)."""
+        if seq.next_block is not None:
+            block, seq.next_block = seq.next_block, None
+            return block.drafts, None
         if self.profile:
             self._piece_t = time.perf_counter()
         start = cache_offset(seq.cache)
@@ -472,17 +494,21 @@ class Decoder:
         When sampling, the proposal q is the drafter's at the request's temperature times the
         config's `draft_temperature_scale`; the rejection rule keeps p's distribution for any q."""
         temp = 0.0 if params.greedy else params.temperature * self.cfg.draft_temperature_scale
-        if self.cfg.is_v2 and params.greedy:
-            anchor = mx.array([seq.anchor])
-            return self.head.select_greedy(hidden[None], logits[None], anchor)[0], None
+        if params.greedy:
+            return self._greedy_drafts(hidden, logits, mx.array([seq.anchor])), None
         if self.cfg.is_v2:
             drafts, cand, cand_q = self.head.select(hidden, logits, seq.anchor, temp, key)
             q = mx.put_along_axis(mx.zeros(logits.shape, mx.float32), cand, cand_q, axis=-1)
             return drafts, q
-        if params.greedy:
-            return mx.argmax(logits, axis=-1), None
         q = probabilities(logits, SamplingParams(temp, params.top_p, params.top_k))
         return sample(q, key), q
+
+    def _greedy_drafts(self, hidden, logits, anchor: mx.array) -> mx.array:
+        """Greedy drafts [L-1] after `anchor` ([1], maybe not evaluated): DFlash 2's selection
+        or DFlash's argmax."""
+        if self.cfg.is_v2:
+            return self.head.select_greedy(hidden[None], logits[None], anchor)[0]
+        return mx.argmax(logits, axis=-1)
 
     def _accept(self, drafts, q, logits, params, key) -> tuple[int, int]:
         """(accepted drafts, bonus token) by the greedy rule, or by `accept_rule`."""
@@ -502,25 +528,75 @@ class Decoder:
         t1 = time.perf_counter()
         block = mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
         verified = self.target.verify(block, seq.cache, self.tap_ids)
-        stats = RoundStats(self.width(seq), 0, 0, t1 - t0, time.perf_counter() - t1)
-        return self._settle(seq, block, drafts, q, verified, k_accept, stats)
+        t2 = time.perf_counter()
+        acceptance = self._draft_next(seq, drafts, verified) if self._drafts_ahead(seq) else None
+        t3 = time.perf_counter()
+        stats = RoundStats(self.width(seq), 0, 0, t1 - t0 + t3 - t2, t2 - t1)
+        return self._settle(seq, block, drafts, q, verified, k_accept, stats, acceptance)
 
-    def _settle(self, seq, block, drafts, q, verified, k_accept, stats: RoundStats) -> Step:
+    def _drafts_ahead(self, seq: Sequence) -> bool:
+        """Whether this round drafts the next block before its acceptance is read: greedy, a
+        peer in this process, every context row sent (so the verified rows are all it lacks)."""
+        return (
+            self.draft_ahead
+            and not self.profile
+            and seq.sampling.greedy
+            and seq.draft_open
+            and seq.taps.sent == seq.taps.end
+        )
+
+    def _draft_next(self, seq: Sequence, drafts, verified) -> tuple[mx.array, mx.array] | None:
+        """Draft the next block on this round's acceptance as the device will compute it: the
+        anchor is the bonus token, the context gains the accepted rows and the anchor's (their
+        count not read yet: the peer's `settle` in `_conclude`). Queued behind the verify, after
+        the acceptance itself, so that reading it does not wait for this draft. Returns the
+        acceptance (count, bonus), unevaluated; None if the peer could not take the block."""
+        logits, taps, tape = verified
+        run, bonus = self._lazy_accept(drafts, logits)
+        mx.async_eval(run, bonus)
+        keep = run + 1
+        embeds = self._block_embeds(bonus.reshape(1), self.width(seq))
+        try:
+            hidden = self.peer.draft_ahead(
+                seq.seq_id, taps, tape.start, keep, embeds, tape.start + keep
+            )
+        except DraftUnavailable:
+            seq.draft_open = False  # reopened (and the context sent again) by the next draft
+            return None
+        logits = self.head.logits(cuda.pad_rows(hidden))[: hidden.shape[0]]
+        next_drafts = self._greedy_drafts(hidden, logits, bonus.reshape(1))
+        mx.async_eval(next_drafts)
+        seq.next_block = NextBlock(next_drafts, self.width(seq))
+        return run, bonus
+
+    def _lazy_accept(self, drafts, logits) -> tuple[mx.array, mx.array]:
+        """The greedy acceptance (count, bonus token), unevaluated (`_draft_next`)."""
+        return greedy_acceptance(drafts, logits)
+
+    def _settle(
+        self, seq, block, drafts, q, verified, k_accept, stats: RoundStats, acceptance=None
+    ) -> Step:
         """The round after its verify: accept, commit, hand the taps on, roll back."""
-        step = self._conclude(seq, block, drafts, q, verified, k_accept, stats)
+        step = self._conclude(seq, block, drafts, q, verified, k_accept, stats, acceptance)
         t0 = time.perf_counter()
         self._queue_rollback(self.target.rollback(seq.cache, seq.last_tape, len(step.tokens)))
         stats.rollback_s = time.perf_counter() - t0
         return step
 
-    def _conclude(self, seq, block, drafts, q, verified, k_accept, stats: RoundStats) -> Step:
+    def _conclude(
+        self, seq, block, drafts, q, verified, k_accept, stats: RoundStats, acceptance=None
+    ) -> Step:
         """The round after its verify up to the rollback: accept, commit, hand the taps on,
         prefetch. The cache is then rolled back to the anchor and the committed tokens but the
-        last (the next anchor): `len(step.tokens)` rows of the block."""
+        last (the next anchor): `len(step.tokens)` rows of the block. `acceptance`: the
+        unevaluated (count, bonus) a block was drafted ahead on (`_draft_next`)."""
         logits, taps, tape = verified
         seq.last_tape = tape
         t1 = time.perf_counter()
-        accepted, bonus = self._accept(drafts, q, logits, seq.sampling, k_accept)
+        if acceptance is not None:
+            accepted, bonus = (int(a.item()) for a in acceptance)
+        else:
+            accepted, bonus = self._accept(drafts, q, logits, seq.sampling, k_accept)
         t2 = time.perf_counter()
         block_ids = block.tolist()
         stats.accepted = accepted
@@ -530,8 +606,15 @@ class Decoder:
         seq.cached_tokens.extend(block_ids[:keep])
         t3 = time.perf_counter()
         seq.taps.add(taps[:keep])
+        if acceptance is not None and seq.draft_open:  # the drafter holds these rows already
+            self.peer.settle(seq.seq_id, keep)
+            seq.taps.sent = seq.taps.end
         if self.adaptive:  # before the prefetch: the next block has the new width
             self._adapt(seq, stats.bs, accepted)
+        if seq.next_block is not None and (
+            seq.finished is not None or seq.next_block.width != self.width(seq)
+        ):
+            seq.next_block = None  # drafted ahead, not wanted
         self._prefetch(seq, tape.start + keep)  # the drafter starts on the next block meanwhile
         stats.draft_s += time.perf_counter() - t3
         stats.other_s = t3 - t2
@@ -540,6 +623,18 @@ class Decoder:
     def _queue_rollback(self, states: list[mx.array]) -> None:
         # the next round's graph builds on these; only a profile waits for them here
         (mx.eval if self.profile else mx.async_eval)(states)
+
+
+# Decoder.draft_ahead by default: "auto" on a GPU (where the target hands its layers to the
+# device as it builds them, Target.async_layers), "on", "off" (SANCTUM_DRAFT_AHEAD). On the CPU
+# one thread would build the draft and compute the verify one after the other anyway.
+DRAFT_AHEAD = os.environ.get("SANCTUM_DRAFT_AHEAD", "auto")
+
+
+def draft_ahead_default(target: Target, peer: DraftPeer | None) -> bool:
+    if DRAFT_AHEAD == "off" or not hasattr(peer, "draft_ahead"):
+        return False
+    return DRAFT_AHEAD == "on" or bool(target.async_layers)
 
 
 def make_key(seed: int | None) -> mx.array:
