@@ -168,3 +168,33 @@ def test_drafting_ahead_is_on_by_default_only_on_a_gpu_in_one_process(default_pa
     target, drafter = default_pair
     assert draft_ahead_default(target, LocalDraftPeer(drafter)) == bool(target.async_layers)
     assert not draft_ahead_default(target, None)
+
+
+def test_a_block_drafted_ahead_is_not_used_after_a_shared_round(default_pair):
+    """A sequence drafts ahead in a solo round, then takes shared rounds (drafted together,
+    rounds.py), then solo ones again: the block drafted ahead before the shared rounds is not
+    the next block any more. Same tokens and acceptance as the schedule without drafting ahead."""
+    from sanctum.engine.rounds import BatchDecoder
+
+    target, drafter = default_pair
+    eos = frozenset(target.tokenizer.eos_token_ids)
+    runs = []
+    for ahead in (False, True):
+        decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
+        decoder.draft_ahead = ahead
+        key = make_key(0)
+        seqs = []
+        for i, (prompt, n) in enumerate(((PROMPTS[0], 24), (PROMPTS[1], 80))):
+            seq = decoder.new_sequence(f"s{i}", "fp16", SamplingParams(), n, eos)
+            decoder.start(seq, decoder.prefill(seq, target.tokenizer.encode(prompt)), key)
+            seqs.append(seq)
+        a, b = seqs
+        got = [decoder.step(b, key) for _ in range(2)]  # solo: drafts ahead
+        while a.finished is None and b.finished is None:
+            got += decoder.step_batch([a, b], [key, key])  # shared
+        while b.finished is None:
+            got.append(decoder.step(b, key))  # solo again
+        runs.append([(s.tokens, s.stats.accepted) for s in got])
+        for seq in seqs:
+            decoder.close(seq)
+    assert runs[0] == runs[1]

@@ -68,6 +68,7 @@ def test_bench_seed_layers_4_json_runs_on_the_cpu(tmp_path):
     assert 0 < sum(pieces.values()) <= split["draft"] * 1.5
     tau5 = r["projected_speedup"]["5"]
     assert tau5 == pytest.approx(5 / r["break_even_tau"], rel=0.01)
+    assert r["unsynced_round_ms_without_drafting"] > 0 and 0 <= r["unsynced_draft_share"] < 1
     for unsynced in (r, r["without_draft_ahead"]):  # rounds as the engine runs them
         assert set(unsynced["measured_speedup"]) == {"4", "5", "6", "8"}
         assert unsynced["unsynced_round_ms"] > 0 and unsynced["unsynced_break_even_tau"] > 0

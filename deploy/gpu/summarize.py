@@ -87,6 +87,12 @@ def main(out: Path) -> None:
             "<= 1.6",
         ),
         (
+            "seed: unsynced round ms without drafting, drafting's share of the round",
+            f"{get(seed, 'unsynced_round_ms_without_drafting')}, "
+            f"{get(seed, 'unsynced_draft_share')}",
+            "<= 0.15",
+        ),
+        (
             "seed: the same without drafting ahead; measured at forced tau",
             f"{get(seed, 'without_draft_ahead', 'unsynced_round_ms')}, "
             f"{get(seed, 'without_draft_ahead', 'unsynced_break_even_tau')}; "

@@ -60,6 +60,15 @@ class ForcedDecoder(Decoder):
         return mx.array(accepted, mx.int32), greedy_tokens(logits)[accepted].astype(mx.int32)
 
 
+class DraftlessDecoder(ForcedDecoder):
+    """ForcedDecoder's rounds without the drafter: the anchor repeated as the drafts, so the
+    round is its verify, acceptance and rollback alone (what drafting adds to a round as the
+    engine runs it is the difference)."""
+
+    def _draft(self, seq, params, key):
+        return mx.full((self.width(seq) - 1,), seq.anchor, mx.int32), None
+
+
 def _decode(decoder: Decoder, prompt: list[int], max_tokens: int, kv: str):
     """Greedy decode; (tokens, round stats, decode-only seconds: after the first token)."""
     seq = decoder.new_sequence("seed", kv, SamplingParams(), max_tokens)
@@ -275,6 +284,13 @@ def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_
     out["projected_speedup"] = {t: round(t * decode_ms / total, 3) for t in TAUS}
     ahead = ForcedDecoder(target, drafter, L, None).draft_ahead  # the engine's default here
     out.update(unsynced_rounds(target, drafter, prompt, n, kv, split_tau, plain_tok_s, ahead))
+    bare = DraftlessDecoder(target, drafter, L, min(split_tau, L))
+    bare.draft_ahead = False
+    _, stats, s = _decode(bare, prompt, n, kv)
+    bare_ms = 1000 * s / len(stats)
+    out["unsynced_round_ms_without_drafting"] = round(bare_ms, 3)
+    # drafting's cost in a round as the engine runs it: the part of the round it adds
+    out["unsynced_draft_share"] = round(max(0.0, 1 - bare_ms / out["unsynced_round_ms"]), 3)
     if ahead:  # the same rounds drafting after the acceptance is read: its before/after
         out["without_draft_ahead"] = unsynced_rounds(
             target, drafter, prompt, n, kv, split_tau, plain_tok_s, False

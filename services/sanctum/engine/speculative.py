@@ -135,6 +135,7 @@ class NextBlock:
 
     drafts: mx.array  # [L-1], maybe not evaluated yet
     width: int
+    start: int | None = None  # the anchor's position, once the acceptance is read
 
 
 @dataclass
@@ -456,9 +457,9 @@ class Decoder:
 
     def _draft(self, seq: Sequence, params: SamplingParams, key: mx.array):
         """Propose L-1 tokens; returns (drafts [L-1], q [L-1, V] or None when greedy)."""
-        if seq.next_block is not None:
-            block, seq.next_block = seq.next_block, None
-            return block.drafts, None
+        block, seq.next_block = seq.next_block, None
+        if block is not None and block.start == cache_offset(seq.cache):  # (not a shared
+            return block.drafts, None  # round's since: rounds.py drafts those itself)
         if self.profile:
             self._piece_t = time.perf_counter()
         start = cache_offset(seq.cache)
@@ -609,6 +610,7 @@ class Decoder:
         if acceptance is not None and seq.draft_open:  # the drafter holds these rows already
             self.peer.settle(seq.seq_id, keep)
             seq.taps.sent = seq.taps.end
+            seq.next_block.start = tape.start + keep
         if self.adaptive:  # before the prefetch: the next block has the new width
             self._adapt(seq, stats.bs, accepted)
         if seq.next_block is not None and (
