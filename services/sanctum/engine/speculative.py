@@ -6,7 +6,9 @@ reads this one (mlx-lm's generate_step does the same), so the host builds step n
 device computes step n; when the request then stops, that forward is undone, so the cache holds
 exactly the committed tokens. A round syncs once, on acceptance: the drafts are not awaited
 before the verify graph is built, and the rollback is queued, not awaited (`Decoder.profile`
-syncs each phase instead, for a round split that measures device time).
+syncs each phase instead, for a round split that measures device time). On a GPU a greedy
+round also drafts the next block before that sync, on the acceptance as the device computes it
+(`Decoder.draft_ahead`), so the device drafts while the host builds the next verify.
 
 The verifier side runs this loop; the drafter body is reached through a `DraftPeer`, which is a
 plain object in one process (`LocalDraftPeer`) or a proxy to a drafter actor in the cluster:
@@ -457,9 +459,11 @@ class Decoder:
 
     def _draft(self, seq: Sequence, params: SamplingParams, key: mx.array):
         """Propose L-1 tokens; returns (drafts [L-1], q [L-1, V] or None when greedy)."""
+        # a block drafted ahead, if it is still for this position (a shared round since, in
+        # rounds.py, drafted its own)
         block, seq.next_block = seq.next_block, None
-        if block is not None and block.start == cache_offset(seq.cache):  # (not a shared
-            return block.drafts, None  # round's since: rounds.py drafts those itself)
+        if block is not None and block.start == cache_offset(seq.cache):
+            return block.drafts, None
         if self.profile:
             self._piece_t = time.perf_counter()
         start = cache_offset(seq.cache)
