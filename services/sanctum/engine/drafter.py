@@ -524,15 +524,15 @@ class DraftBody(nn.Module):
         """`__call__` for a block drafted before the host has read the previous round's
         acceptance, so before it knows how many of the verified rows are context: they go in
         unsettled (`ContextCache.settle` once known), and every layer reads its buffer by its
-        bounds, through the CUDA kernel or the MLX path over the whole buffer (compiled, so
-        that without the kernel the masked path costs no more host time than the padded one)."""
+        bounds, through the CUDA kernel or the MLX path over the whole buffer, compiled
+        either way (one graph while the buffers keep their shapes, as the padded path has)."""
         ctx = self.hidden_norm(self.fc(new_taps))
         for layer, c in zip(self.layers, cache):
             layer.self_attn.add_context(ctx, ctx_start, c, count=count)
         h = block_embeds
         if self.cfg.input_embedding_scale != 1.0:
             h = h * self.cfg.input_embedding_scale
-        if COMPILE_DRAFTS:  # one graph while the buffers keep their shapes, kernels or not
+        if COMPILE_DRAFTS:
             context = [t for c in cache for t in (c.keys, c.values, c.bounds())]
             return self._compiled_stack(BufferContext)(h, start, *context)
         for layer, c in zip(self.layers, cache):
