@@ -31,7 +31,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from ..engine import cuda, fused, gdn, qmm_cuda
 from ..engine.sampling import SamplingParams, acceptance_length, greedy_tokens
-from ..engine.speculative import Decoder, LocalDraftPeer, make_key
+from ..engine.speculative import Decoder, LocalDraftPeer, draft_ahead_default, make_key
 from ..engine.target import load_target
 from .seedbuild import SMALL, SeedShape, ensure
 
@@ -282,7 +282,7 @@ def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_
     total = out["round_ms"]["total"]
     out["break_even_tau"] = round(total / decode_ms, 3)
     out["projected_speedup"] = {t: round(t * decode_ms / total, 3) for t in TAUS}
-    ahead = ForcedDecoder(target, drafter, L, None).draft_ahead  # the engine's default here
+    ahead = draft_ahead_default(target, LocalDraftPeer(drafter))  # the engine's, here
     out.update(unsynced_rounds(target, drafter, prompt, n, kv, split_tau, plain_tok_s, ahead))
     bare = DraftlessDecoder(target, drafter, L, min(split_tau, L))
     bare.draft_ahead = False
