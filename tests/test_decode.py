@@ -369,6 +369,43 @@ def test_block_kernel_row_states_roll_back_exactly(pair, monkeypatch):
     assert tokens_of(generate(target, ids, drafter=drafter, max_tokens=32, eos_ids=set())) == plain
 
 
+@pytest.mark.parametrize("views", [True, False])
+def test_a_row_state_rollback_keeps_that_row_and_the_prompt_cache_its_own_copy(
+    pair, monkeypatch, views
+):
+    """A rollback through a row-state tape leaves the kept row's state, as a view of the rows
+    (gdn.ROLLBACK_VIEWS) or a copy; a rung stored from it holds its own memory: once the cache
+    and the tape are gone, clearing the store frees less than the verify's rows of states."""
+    import gc
+
+    from sanctum.cache.ladder import snapshot_kv
+    from sanctum.cache.store import CacheEntry, PromptStore
+
+    target, drafter = pair
+    monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
+    monkeypatch.setattr(gdn, "BLOCK_KERNEL_KEEPS_ROWS", True)
+    monkeypatch.setattr(gdn, "ROLLBACK_VIEWS", views)
+    ids = target.tokenizer.encode(PROMPT)
+    block = [int(t) for t in np.random.default_rng(1).integers(10, 400, size=8)]
+    cache = target.make_cache()
+    target.prefill(ids, cache)
+    _, _, tape = target.verify(mx.array(block), cache, drafter.cfg.target_layer_ids)
+    mx.eval(target.rollback(cache, tape, 3))
+    for t in tape.gdn:
+        assert mx.array_equal(t.cache[1], t.row_states[:, 2])
+    rows = sum(t.row_states.nbytes for t in tape.gdn)
+    store = PromptStore(1 << 30)
+    tokens = np.array(ids + block[:3], np.int32)
+    rung = {len(tokens): target.recurrent_state(cache)}
+    store.put(CacheEntry("m|fp16", "fp16", tokens, snapshot_kv(target, cache), rung))
+    del cache, tape, rung, t
+    gc.collect()
+    held = mx.get_active_memory()
+    store.clear()
+    gc.collect()
+    assert 0 < held - mx.get_active_memory() < rows
+
+
 def test_draft_head_rows_padded_to_eight_on_cuda(pair, monkeypatch):
     """On CUDA the L-1 draft rows go through the 4-bit LM head padded to 8 rows (a matrix
     kernel, not L-1 one-row ones); the drafts and the output are unchanged."""

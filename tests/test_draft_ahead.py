@@ -23,7 +23,12 @@ from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
 # attention kernels differ with the row count, so there a decode that drafts ahead can part from
 # one that does not at a near-tie, as any verify can part from plain decoding (README, "Greedy
 # speculative output on CUDA"); `bench speculative` and `bench cuda` judge the GPU's output.
-pytestmark = pytest.mark.skipif(cuda.is_cuda(), reason="exact equality holds on the CPU")
+# There the body's check runs with a tolerance for those last bits: on the H200 the body's
+# outputs drafting ahead and not differed by at most 4.8e-4 of their largest magnitude (every
+# layout, 70 rounds each); a context row misread moves them by more, a block misread by their
+# own scale. The CPU's check is the exact one.
+exact = pytest.mark.skipif(cuda.is_cuda(), reason="exact equality holds on the CPU")
+CUDA_TOLERANCE = 2e-3  # of the output's largest magnitude
 
 LAYOUTS = ["tiny-dflash", "tiny-dflash2", *sorted(DRAFTER_LAYOUTS)]
 
@@ -72,7 +77,13 @@ def test_body_drafting_ahead_reads_the_context_as_appended(make_pair, tmp_path, 
         got = body.ahead(
             embeds, mx.array(start + count, mx.int32), taps, start, mx.array(count, mx.int32), ahead
         )
-        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=2e-5)
+        if cuda.is_cuda():
+            scale = mx.abs(want).max().item()
+            err = mx.abs(got - want).max().item() / scale
+            print(f"{layout} count {count}: max |ahead - sync| / max |sync| = {err:.2e}")
+            assert err < CUDA_TOLERANCE
+        else:
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=2e-5)
         for c in ahead:
             c.settle(count)
         start += count
@@ -113,6 +124,7 @@ def _decode(decoder, prompt, n, eos=frozenset()):
     return [t for s in steps for t in s.tokens], [s.stats.accepted for s in steps[1:]]
 
 
+@exact
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_decoder_drafting_ahead_drafts_what_synchronous_rounds_draft(make_pair, tmp_path, layout):
     target, drafter = _drafter(make_pair, tmp_path, layout)
@@ -142,6 +154,7 @@ PROMPTS = [
 ]
 
 
+@exact
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_drafting_ahead_equals_plain_greedy_and_synchronous_rounds(default_pair, prompt):
     """The trained pair, real acceptance: with and without drafting ahead the same tokens (the
@@ -170,6 +183,7 @@ def test_drafting_ahead_is_on_by_default_only_on_a_gpu_in_one_process(default_pa
     assert not draft_ahead_default(target, None)
 
 
+@exact
 def test_a_block_drafted_ahead_is_not_used_after_a_shared_round(default_pair):
     """A sequence drafts ahead in a solo round, then takes shared rounds (drafted together,
     rounds.py), then solo ones again: the block drafted ahead before the shared rounds is not

@@ -73,6 +73,12 @@ def main(out: Path) -> None:
             f"{get(seed, 'without_draft_kernels', 'round_share')}",
             "(before/after)",
         ),
+        (
+            "seed: round ms, shares with the rollback copying rows",
+            f"{get(seed, 'with_rollback_copies', 'round_ms')}; "
+            f"{get(seed, 'with_rollback_copies', 'round_share')}",
+            "(before/after the views)",
+        ),
         ("seed: break-even tau", get(seed, "break_even_tau"), "<= 1.6 (was 2.8)"),
         (
             "seed: projected speed-up at tau 5",

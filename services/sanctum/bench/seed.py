@@ -284,17 +284,20 @@ def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_
     out["projected_speedup"] = {t: round(t * decode_ms / total, 3) for t in TAUS}
     ahead = draft_ahead_default(target, LocalDraftPeer(drafter))  # the engine's, here
     out.update(unsynced_rounds(target, drafter, prompt, n, kv, split_tau, plain_tok_s, ahead))
+    if ahead:  # the same rounds drafting after the acceptance is read: its before/after
+        out["without_draft_ahead"] = unsynced_rounds(
+            target, drafter, prompt, n, kv, split_tau, plain_tok_s, False
+        )
     bare = DraftlessDecoder(target, drafter, L, min(split_tau, L))
     bare.draft_ahead = False
     _, stats, s = _decode(bare, prompt, n, kv)
     bare_ms = 1000 * s / len(stats)
     out["unsynced_round_ms_without_drafting"] = round(bare_ms, 3)
-    # drafting's cost in a round as the engine runs it: the part of the round it adds
-    out["unsynced_draft_share"] = round(max(0.0, 1 - bare_ms / out["unsynced_round_ms"]), 3)
-    if ahead:  # the same rounds drafting after the acceptance is read: its before/after
-        out["without_draft_ahead"] = unsynced_rounds(
-            target, drafter, prompt, n, kv, split_tau, plain_tok_s, False
-        )
+    # drafting's cost in a round as the engine runs it: what it adds to the same rounds that
+    # draft after reading the acceptance (drafting ahead reorders a round's work around the
+    # host's syncs, so rounds without a draft are compared with rounds that do not draft ahead)
+    drafting_ms = out.get("without_draft_ahead", out)["unsynced_round_ms"]
+    out["unsynced_draft_share"] = round(max(0.0, 1 - bare_ms / drafting_ms), 3)
     s_tokens, stats, _ = _decode(ForcedDecoder(target, drafter, L, None), prompt, n, kv)
     out["speculative_equals_plain_tokens"] = f"{_same_prefix(s_tokens, plain_tokens)}/{n}"
     spec = [s.accepted for s in stats if s.bs > 1]
@@ -388,6 +391,14 @@ def seed(args) -> dict:
                 )
             result["without_draft_kernels"] = off
             say(f"rounds without the draft kernels: {json.dumps(off)}")
+        if gdn.BLOCK_KERNEL_KEEPS_ROWS and gdn.ROLLBACK_VIEWS:  # rollback copying its rows:
+            gdn.ROLLBACK_VIEWS = False  # the views' before/after
+            try:
+                copies = round_split(target, drafter, prompt, n, kv, args.split_tau)
+            finally:
+                gdn.ROLLBACK_VIEWS = True
+            result["with_rollback_copies"] = copies
+            say(f"rounds with the rollback copying: {json.dumps(copies)}")
     if not args.no_ablations:  # after the headline figures: each recompiles every graph
         result.update(verify_ablations(target, prompt, tap_ids, args.reps, kv, say))
     if drafter is None:  # --plain-only

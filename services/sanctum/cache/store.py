@@ -70,6 +70,14 @@ class CacheEntry:
         return n + (self.taps.nbytes if self.taps is not None else 0) + self.tokens.nbytes
 
 
+def _owned(states: list[tuple[mx.array, mx.array]]) -> list[tuple[mx.array, mx.array]]:
+    """Copies of a rung's GDN states (exact: a gather) that hold only their own rows. The
+    engine's may be views of larger buffers (a conv state of its pass's input rows; on CUDA a
+    recurrent state of a verify's rows of states, gdn.ROLLBACK_VIEWS), which a stored view
+    would keep alive as long as the entry."""
+    return [tuple(mx.take(a, mx.arange(a.shape[0]), axis=0) for a in pair) for pair in states]
+
+
 @dataclass(frozen=True)
 class ResumePlan:
     """Where a prompt resumes, with exactly the data needed to do it (no whole entry):
@@ -210,9 +218,10 @@ class PromptStore:
                 self.max_bytes,
             )
             return None
+        rungs = {p: _owned(states) for p, states in entry.rungs.items()}
         mx.eval(
             [a for layer in entry.kv for a in layer],
-            [a for s in entry.rungs.values() for pair in s for a in pair],
+            [a for s in rungs.values() for pair in s for a in pair],
             entry.taps if entry.taps is not None else [],
         )
         tokens = np.asarray(entry.tokens, dtype=np.int32)
@@ -237,9 +246,7 @@ class PromptStore:
             for (start, end), key in zip(page_bounds(len(tokens)), rec.pages, strict=True):
                 if key not in self._pages and key not in new_pages:
                     new_pages[key] = cut_page(entry.kv, taps, start, end)
-            new_rungs = {
-                k: Rung(p, entry.rungs[p]) for p, k in rec.rungs.items() if k not in self._rungs
-            }
+            new_rungs = {k: Rung(p, rungs[p]) for p, k in rec.rungs.items() if k not in self._rungs}
             superseded = self._superseded(rec)
             self._adopt(rec, superseded, new_rungs)
             if self.directory is not None:  # durable before it is visible

@@ -15,7 +15,7 @@ form below — a few [C, C] and [C, D] matmuls per chunk instead of one tiny ker
 values to ~1e-7). On Apple GPUs mlx-lm's Metal kernel runs every shape. On CUDA a block of
 2..BLOCK_KERNEL_MAX_ROWS rows goes through `BLOCK_KERNEL` (gdn_cuda.py) once engine/cuda.py has
 checked it on this GPU; its taped variant writes the state after every row, so a rollback
-copies one of them (one small op per layer, no re-run of the recurrence).
+takes one of them as a view (no kernel, no re-run of the recurrence).
 """
 
 from __future__ import annotations
@@ -45,8 +45,14 @@ BLOCK_KERNEL = None
 BLOCK_KERNEL_MAX_ROWS = 64
 BLOCK_KERNEL_IN_COMPILE = True  # False: passes that use it run op by op (it failed in compile)
 # The kernel also takes `keep_rows=True` and then returns the state after every row: a taped
-# pass keeps those, and a rollback copies one instead of re-running the recurrence.
+# pass keeps those, and a rollback takes one instead of re-running the recurrence.
 BLOCK_KERNEL_KEEPS_ROWS = False
+# How a rollback takes a row's state from those: as a view of the rows' buffer (no op reaches
+# the GPU; the buffer, a block's rows of states, stays alive until the layer's next rollback
+# or step replaces its state; the prompt cache stores copies, PromptStore.put), or as a copy
+# (one kernel a layer, launched and waited on in every rollback). False: copies (bench seed
+# measures both).
+ROLLBACK_VIEWS = True
 # Prefill (untaped multi-row passes) through mlx-lm's own recurrence, the token loop off Apple
 # GPUs: a bf16 prefill is then bit for bit mlx-lm's (the chunked form's float32 sums differ in
 # the last bits, which a bf16 model can carry into a different token). Slower; for checks.
@@ -84,7 +90,9 @@ class GDNTape:
             return self.state_in
         if self.chunk_parts is not None:
             return _state_after_compiled(keep)(self.state_in, *self.chunk_parts)
-        if self.row_states is not None:  # a copy (take), so the rows' buffer is not kept alive
+        if self.row_states is not None:
+            if ROLLBACK_VIEWS:
+                return self.row_states[:, keep - 1]
             return mx.take(self.row_states, mx.array(keep - 1), axis=1)
         return recurrence(*(t[:, :keep] for t in self.inputs), self.state_in)[1]
 
@@ -115,13 +123,13 @@ class GDNBatchTape:
 
     def _shared_states(self, keeps: dict[int, int]) -> dict[int, mx.array]:
         """The recurrent states ([1, Hv, Dv, Dk]) that one op gives for several sequences: a
-        row-state tape's kept rows (one gather, exact: a copy); a chunk tape's when all N keep
+        row-state tape's kept rows when copied (one gather, exact); a chunk tape's when all N keep
         the same rows (one matmul; each sequence's result is the one its own computes). Other
         mixes stay per sequence: on the CPU, gathering part of the stacked rows costs more
         than the calls it saves."""
         if self.row_states is not None:
             kept = {n: keep for n, keep in keeps.items() if keep > 0}
-            if not kept:
+            if not kept or ROLLBACK_VIEWS:  # each entry's own view then (recurrent_at)
                 return {}
             N, S = self.row_states.shape[:2]
             flat = self.row_states.reshape(N * S, *self.row_states.shape[2:])
