@@ -25,8 +25,8 @@ from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
 # speculative output on CUDA"); `bench speculative` and `bench cuda` judge the GPU's output.
 # There the body's check runs with a tolerance for those last bits: on the H200 the body's
 # outputs drafting ahead and not differed by at most 4.8e-4 of their largest magnitude (every
-# layout, 70 rounds each); a context row misread moves them by more, a block misread by their
-# own scale. The CPU's check is the exact one.
+# layout, 70 rounds each), while a block read at the wrong place moves them by their own
+# scale. The CPU's exact check is the one that also catches a single row misread.
 exact = pytest.mark.skipif(cuda.is_cuda(), reason="exact equality holds on the CPU")
 CUDA_TOLERANCE = 2e-3  # of the output's largest magnitude
 

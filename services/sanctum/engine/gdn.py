@@ -48,10 +48,10 @@ BLOCK_KERNEL_IN_COMPILE = True  # False: passes that use it run op by op (it fai
 # pass keeps those, and a rollback takes one instead of re-running the recurrence.
 BLOCK_KERNEL_KEEPS_ROWS = False
 # How a rollback takes a row's state from those: as a view of the rows' buffer (no op reaches
-# the GPU; the buffer, a block's rows of states, stays alive until the layer's next rollback
-# or step replaces its state; the prompt cache stores copies, PromptStore.put), or as a copy
-# (one kernel a layer, launched and waited on in every rollback). False: copies (bench seed
-# measures both).
+# the GPU; the buffer, a block's rows of states, stays alive until the layer's next pass has
+# replaced its state and that pass's tape is dropped; the prompt cache stores copies,
+# PromptStore.put), or, False, as a copy (one kernel a layer every rollback). bench seed
+# measures both.
 ROLLBACK_VIEWS = True
 # Prefill (untaped multi-row passes) through mlx-lm's own recurrence, the token loop off Apple
 # GPUs: a bf16 prefill is then bit for bit mlx-lm's (the chunked form's float32 sums differ in
