@@ -691,3 +691,27 @@ def test_break_even_is_measured_and_the_gate_setting_checked(make_pair):
     for bad in ("fast", "-1"):
         with pytest.raises(ValueError, match="SANCTUM_MIN_TAU"):
             serve_settings(env={"SANCTUM_MIN_TAU": bad})
+
+
+def test_bench_batch_steady_times_shared_rounds_and_checks_them_against_plain(make_pair, capsys):
+    """`sanctum bench batch --steady R`: the engine's shared rounds alone at each concurrency
+    (prefilled first, untimed rounds, then R timed), every sequence's tokens against plain
+    greedy decoding of its prompt."""
+    import json
+
+    from sanctum.cli import main
+
+    target_dir, drafter_dir = make_pair("hybrid", "dflash2")
+    argv = ["bench", "batch", "--model", str(target_dir), "--drafter", str(drafter_dir),
+            "--steady", "2", "--concurrency", "2", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["mode"] == "steady rounds" and out["rounds"] == 2
+    assert [r["concurrency"] for r in out["levels"]] == [1, 2]  # one sequence always measured
+    assert out["all_outputs_equal_plain"] and all(r["outputs_equal_plain"] for r in out["levels"])
+    for row in out["levels"]:
+        assert row["round_ms"] > 0 and row["tokens_per_round"] >= row["concurrency"]
+        assert row["tau"] >= 1.0  # speculative rounds, not only plain steps
+    assert out["levels"][0]["tok_s_vs_one"] == 1.0
+    assert main([*argv, "--cluster"]) != 0  # refused, naming the flag
+    assert "--cluster" in capsys.readouterr().err

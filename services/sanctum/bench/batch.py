@@ -3,7 +3,8 @@ served at each concurrency by that many clients at once (inline, or through the 
 with `--cluster`; SANCTUM_MAX_BATCH = the largest concurrency; at 1 every round is one
 request's), then inline at the largest concurrency again with max_batch 1 (the round-robin),
 and each output is checked against the concurrency-1 run, where every request was served
-alone."""
+alone. `--steady R` measures the shared rounds themselves instead, without a server, prefill or
+tails (`steady`)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,15 @@ def add_parser(bsub) -> None:
         help="serve through the actor cluster (verifier, drafter and store actors) instead of "
         "inline; its max_batch is fixed at start, so no round-robin row",
     )
+    p.add_argument(
+        "--steady",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="time ROUNDS shared rounds of the engine itself at each concurrency (sequences "
+        "prefilled first, a few rounds untimed): the round's cost without a server's prefill "
+        "or tails; 0 serves requests as above",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -80,7 +90,98 @@ def _serve(backend, requests: list, clients: int) -> tuple[float, dict]:
     return time.perf_counter() - t0, out
 
 
+def steady(args, levels: list[int]) -> dict:
+    """Shared rounds in steady state (`BatchDecoder.step_batch`; one sequence: `step`), greedy,
+    the default block: at each concurrency N the first N prompts prefilled, WARM_ROUNDS rounds
+    untimed, then `args.steady` rounds timed. Per level: ms a round, tokens a round (all the
+    sequences'), tok/s and its ratio to one sequence's, tau; every sequence's tokens checked
+    against plain greedy decoding of its prompt."""
+    from ..engine.peer import LocalDraftPeer
+    from ..engine.rounds import BatchDecoder
+    from ..engine.sampling import SamplingParams
+    from ..engine.speculative import Decoder, make_key
+    from ..serving.inline import load_models
+    from ..settings import engine_settings, model_flags
+
+    settings = engine_settings(**model_flags(args))
+    target, drafter = load_models(settings)
+    if drafter is None:
+        raise ValueError("bench batch --steady needs a drafter")
+    decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter), settings.block_size)
+    budget = (WARM_ROUNDS + args.steady + 1) * decoder.block_size + 1  # no sequence ends
+    key, rows = make_key(0), []
+    for n in levels:
+        prompts = [target.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
+        seqs = [
+            decoder.new_sequence(f"steady-{n}-{i}", settings.kv_mode, SamplingParams(), budget)
+            for i in range(n)
+        ]
+        out = [list(decoder.start(s, decoder.prefill(s, p), key).tokens) for s, p in zip(seqs, prompts)]  # fmt: skip
+        accepted: list[int] = []
+        for _ in range(WARM_ROUNDS):
+            _round(decoder, seqs, key, out, None)
+        before = sum(map(len, out))
+        t0 = time.perf_counter()
+        for _ in range(args.steady):
+            _round(decoder, seqs, key, out, accepted)
+        wall = time.perf_counter() - t0
+        made = sum(map(len, out)) - before
+        for seq in seqs:
+            decoder.close(seq)
+        plain = Decoder(target)
+        same = True
+        for prompt, tokens in zip(prompts, out):
+            ref = plain.new_sequence("plain", settings.kv_mode, SamplingParams(), len(tokens))
+            got = list(plain.start(ref, plain.prefill(ref, prompt), key).tokens)
+            while ref.finished is None:
+                got += plain.step(ref, key).tokens
+            plain.close(ref)
+            same &= got == tokens
+        rows.append(
+            {
+                "concurrency": n,
+                "round_ms": round(1000 * wall / args.steady, 2),
+                "tokens_per_round": round(made / args.steady, 2),
+                "tok_s": round(made / wall, 1),
+                "tau": round(sum(accepted) / max(1, len(accepted)), 3),
+                "outputs_equal_plain": same,
+            }
+        )
+    for row in rows:
+        row["tok_s_vs_one"] = round(row["tok_s"] / rows[0]["tok_s"], 2)
+    return {
+        "mode": "steady rounds",
+        "rounds": args.steady,
+        "warm_rounds": WARM_ROUNDS,
+        "block_size": decoder.block_size,
+        "levels": rows,
+        "all_outputs_equal_plain": all(r["outputs_equal_plain"] for r in rows),
+    }
+
+
+WARM_ROUNDS = 3  # untimed, before `steady`'s timed rounds: each batch shape's first graphs
+
+
+def _round(decoder, seqs: list, key, out: list[list[int]], accepted: list[int] | None) -> None:
+    """One round of every sequence (shared, or one's own `step`), its tokens appended to
+    `out`; with `accepted`, each speculative round's committed tokens too."""
+    if len(seqs) > 1:
+        steps = decoder.step_batch(seqs, [key] * len(seqs))
+    else:
+        steps = [decoder.step(seqs[0], key)]
+    for tokens, step in zip(out, steps):
+        tokens += step.tokens
+        if accepted is not None and step.stats is not None and step.stats.bs > 1:
+            accepted.append(step.stats.accepted + 1)
+
+
 def run(args) -> dict:
+    if args.steady:
+        if args.cluster or args.temperature:
+            raise ValueError(
+                "--steady times the engine's greedy rounds: no --cluster, no --temperature"
+            )
+        return steady(args, sorted({int(c) for c in args.concurrency.split(",")} | {1}))
     from ..serving.inline import InlineBackend
     from ..serving.requests import GenerateRequest
     from ..settings import model_flags, serve_settings
