@@ -116,7 +116,9 @@ def steady(args, levels: list[int]) -> dict:
             decoder.new_sequence(f"steady-{n}-{i}", settings.kv_mode, SamplingParams(), budget)
             for i in range(n)
         ]
-        out = [list(decoder.start(s, decoder.prefill(s, p), key).tokens) for s, p in zip(seqs, prompts)]  # fmt: skip
+        out = []  # each sequence's tokens
+        for seq, prompt in zip(seqs, prompts):
+            out.append(list(decoder.start(seq, decoder.prefill(seq, prompt), key).tokens))
         accepted: list[int] = []
         for _ in range(WARM_ROUNDS):
             _round(decoder, seqs, key, out, None)
