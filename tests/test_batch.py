@@ -629,18 +629,20 @@ def test_speculation_gate_steps_plainly_below_its_threshold_and_tries_again(make
     assert gated[w + 3 * p + 1] > 1
 
 
-@pytest.mark.parametrize("sampled_gate", [4.5, 0.0])
-def test_speculation_gate_in_a_batch_equals_alone(make_pair, sampled_gate):
-    """Gated sequences of a shared round take the plain steps they take alone: in the drafted
-    blocks' verify forward as blocks of their anchor alone, or, in a round where none drafts,
-    several of them in one forward of their own. Seeded sampling and greedy outputs equal to
-    each served alone, with the gate tripping: every sequence's (both forms of plain step
-    occur), or the greedy one's only (its plain steps beside the sampled ones' blocks)."""
+@pytest.mark.parametrize("greedy_gate,sampled_gate", [(4.5, 4.5), (4.5, 0.0), (0.0, 4.5)])
+def test_speculation_gate_in_a_batch_equals_alone(make_pair, greedy_gate, sampled_gate):
+    """Gated sampled sequences of a shared round take the plain steps they take alone: in the
+    drafted blocks' verify forward as blocks of their anchor alone, or, in a round where none
+    drafts, several of them in one forward of their own. A gated greedy sequence drafts in a
+    round where others draft (its plain step would pay the round's padded rows) and steps
+    plainly in one where none does. Seeded sampling and greedy outputs equal to each served
+    alone, with the gate tripping: every sequence's, the greedy one's only, or the sampled
+    ones' only."""
     target, drafter = load_pair(make_pair, "hybrid", "dflash2")
 
     def decoder():
         d = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
-        d.min_tau, d.min_tau_sampled = 4.5, sampled_gate
+        d.min_tau, d.min_tau_sampled = greedy_gate, sampled_gate
         return d
 
     params = [
@@ -649,10 +651,23 @@ def test_speculation_gate_in_a_batch_equals_alone(make_pair, sampled_gate):
         SamplingParams(0.7, seed=9),
     ]
     specs = [(f"s{i}", PROMPTS[i], 48, "fp16", (), p) for i, p in enumerate(params)]
-    tripped, together, joined = [], [], []
+    tripped, together, joined, gated_drafting = [], [], [], []
     d = decoder()
     watch = d._watch
     d._watch = lambda seq, step: (watch(seq, step), tripped.append(seq.plain_left > 0))
+    gated_now = set()  # the sequences the gate has step plainly in this round
+
+    def take_gated_step(seq, take=d.take_gated_step):
+        gated = take(seq)
+        if gated:
+            gated_now.add(seq.seq_id)
+        return gated
+
+    def step_batch(seqs, keys, step=d.step_batch):
+        gated_now.clear()
+        return step(seqs, keys)
+
+    d.take_gated_step, d.step_batch = take_gated_step, step_batch
     plain_steps = d._plain_steps
     d._plain_steps = lambda seqs, keys, idx, steps: (
         together.append(len(idx)),
@@ -661,14 +676,18 @@ def test_speculation_gate_in_a_batch_equals_alone(make_pair, sampled_gate):
     verify_all = d._verify_all
     d._verify_all = lambda drafted, draft_s, steps, gated: (
         joined.append(len(gated)),
+        gated_drafting.extend(seq.seq_id for _, seq, *_ in drafted if seq.seq_id in gated_now),
         verify_all(drafted, draft_s, steps, gated),
     )
     got, _ = run_batch(d, target, specs)
     assert any(tripped)
-    if sampled_gate:
+    assert set(gated_drafting) <= {"s1"}  # a gated sampled sequence never drafts
+    if greedy_gate and sampled_gate:
         assert max(together) >= 2  # gated sequences stepped in one forward of their own
+    elif greedy_gate:
+        assert "s1" in gated_drafting  # the greedy one, gated, drafted beside the others
     else:
-        assert max(joined) >= 1  # a gated sequence stepped in the drafted blocks' verify
+        assert max(joined) >= 1  # a gated sampled one stepped in the drafted blocks' verify
     for spec in specs:
         alone, _ = run_batch(decoder(), target, [spec])
         assert got[spec[0]] == alone[spec[0]], spec[0]

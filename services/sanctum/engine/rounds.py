@@ -30,9 +30,10 @@ class BatchDecoder(Decoder):
         """One round of each sequence: the blocks of one width (all of them, unless adaptive
         width shrank some) drafted in one drafter forward, and all blocks verified in ONE
         target forward (the narrower ones padded at their end). Each sequence's output is what
-        `step` gives it alone: its own key, width, acceptance, commit and rollback. Sequences
-        the speculation gate has step plainly take their plain steps in that forward too;
-        sequences that cannot draft now (a drafter that is down) take a plain step instead."""
+        `step` gives it alone: its own key, width, acceptance, commit and rollback. Sampled
+        sequences the speculation gate has step plainly take their plain steps in that forward
+        too (greedy ones draft: below); sequences that cannot draft now (a drafter that is
+        down) take a plain step instead."""
         if self.peer is None or self.block_size <= 1 or self.profile or len(seqs) < 2:
             return [self.step(seq, key) for seq, key in zip(seqs, keys)]
         steps: dict[int, Step] = {}
@@ -43,6 +44,13 @@ class BatchDecoder(Decoder):
                 plain.append(i)
             else:
                 groups.setdefault(self.width(seq), []).append(i)
+        if groups:  # a round others draft: a gated greedy sequence drafts too, since its plain
+            # step would pay the round's padded rows for one token (greedy output is the same
+            # either way; a seeded sample's draws are not, so sampled ones stay plain)
+            for i in [i for i in plain if seqs[i].sampling.greedy]:
+                seqs[i].plain_left = 0  # its stretch ends in this round, as alone it would
+                groups.setdefault(self.width(seqs[i]), []).append(i)
+            plain = [i for i in plain if not seqs[i].sampling.greedy]
         t0 = time.perf_counter()
         drafted = []  # (index, seq, drafts [width-1], q, accept key)
         for idx in groups.values():
