@@ -92,16 +92,17 @@ def _serve(backend, requests: list, clients: int) -> tuple[float, dict]:
 
 def steady(args, levels: list[int]) -> dict:
     """Shared rounds in steady state (`BatchDecoder.step_batch`; one sequence: `step`), greedy,
-    the default block: at each concurrency N the first N prompts prefilled, WARM_ROUNDS rounds
+    the block of the model flags: at each concurrency N the first N prompts prefilled, WARM_ROUNDS rounds
     untimed, then `args.steady` rounds timed. Per level: ms a round, tokens a round (all the
     sequences'), tok/s and its ratio to one sequence's, tau; every sequence's tokens checked
     against plain greedy decoding of its prompt."""
     from ..engine.peer import LocalDraftPeer
     from ..engine.rounds import BatchDecoder
     from ..engine.sampling import SamplingParams
-    from ..engine.speculative import Decoder, make_key
+    from ..engine.speculative import make_key
     from ..serving.inline import load_models
     from ..settings import engine_settings, model_flags
+    from .decode import _run_once
 
     settings = engine_settings(**model_flags(args))
     target, drafter = load_models(settings)
@@ -130,15 +131,10 @@ def steady(args, levels: list[int]) -> dict:
         made = sum(map(len, out)) - before
         for seq in seqs:
             decoder.close(seq)
-        plain = Decoder(target)
-        same = True
-        for prompt, tokens in zip(prompts, out):
-            ref = plain.new_sequence("plain", settings.kv_mode, SamplingParams(), len(tokens))
-            got = list(plain.start(ref, plain.prefill(ref, prompt), key).tokens)
-            while ref.finished is None:
-                got += plain.step(ref, key).tokens
-            plain.close(ref)
-            same &= got == tokens
+        same = all(
+            _run_once(target, None, prompt, len(tokens), settings)[0] == tokens
+            for prompt, tokens in zip(prompts, out)
+        )
         rows.append(
             {
                 "concurrency": n,
