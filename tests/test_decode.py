@@ -338,7 +338,7 @@ def test_block_kernel_dispatch_rolls_back_exactly(pair, monkeypatch):
 )
 def test_block_kernel_row_states_roll_back_exactly(pair, monkeypatch):
     """A block kernel that keeps every row's state (the CUDA kernel's taped variant): a verify
-    tapes those states, a rollback to any keep copies one (no re-run) and matches a fresh
+    tapes those states, a rollback to any keep takes one (no re-run) and matches a fresh
     forward; the batched verify tapes them per sequence; speculative greedy equals plain."""
     from sanctum.engine.batch import verify_batch
 
