@@ -712,19 +712,37 @@ def test_break_even_is_measured_and_the_gate_setting_checked(make_pair):
             serve_settings(env={"SANCTUM_MIN_TAU": bad})
 
 
-def test_bench_batch_steady_times_shared_rounds_and_checks_them_against_plain(make_pair, capsys):
-    """`sanctum bench batch --steady R`: the engine's shared rounds alone at each concurrency
-    (prefilled first, untimed rounds, then R timed), every sequence's tokens against plain
-    greedy decoding of its prompt."""
+def test_bench_batch_steady_times_shared_rounds_and_checks_them_against_plain(
+    make_pair, capsys, monkeypatch
+):
+    """`sanctum bench batch --steady R --phases P`: the engine's shared rounds alone at each
+    concurrency (prefilled first, untimed rounds, then R timed, then P with every phase
+    awaited: still shared rounds), every sequence's tokens against plain greedy decoding of
+    its prompt."""
     import json
 
     from sanctum.cli import main
+    from sanctum.engine import rounds
 
+    shared = []  # the row counts of every shared verify
+    real_verify_batch = rounds.verify_batch
+
+    def counted(target, blocks, *args, **kwargs):
+        shared.append(blocks.shape[0])
+        return real_verify_batch(target, blocks, *args, **kwargs)
+
+    monkeypatch.setattr(rounds, "verify_batch", counted)
     target_dir, drafter_dir = make_pair("hybrid", "dflash2")
     argv = ["bench", "batch", "--model", str(target_dir), "--drafter", str(drafter_dir),
             "--steady", "2", "--concurrency", "2", "--json"]  # fmt: skip
-    assert main(argv) == 0
+    assert main([*argv, "--phases", "2"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert shared == [2] * (3 + 2 + 2)  # untimed, timed and synced rounds of the pair: shared
+    for row in out["levels"]:
+        split = row["phases_ms"]
+        assert split["draft"] > 0 and split["verify"] > 0 and split["round"] > 0
+        parts = split["draft"] + split["verify"] + split["rollback"] + split["other"]
+        assert parts <= split["round"] * 1.01 + 0.05  # pieces of the round, not more
     assert out["mode"] == "steady rounds" and out["rounds"] == 2
     assert [r["concurrency"] for r in out["levels"]] == [1, 2]  # one sequence always measured
     assert out["all_outputs_equal_plain"] and all(r["outputs_equal_plain"] for r in out["levels"])

@@ -59,6 +59,14 @@ def add_parser(bsub) -> None:
         "prefilled first, a few rounds untimed): the round's cost without a server's prefill "
         "or tails; 0 serves requests as above",
     )
+    p.add_argument(
+        "--phases",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="with --steady: ROUNDS more rounds at each concurrency with every phase awaited "
+        "(draft, verify, rollback, the rest), for the round's split; slower rounds",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -92,10 +100,11 @@ def _serve(backend, requests: list, clients: int) -> tuple[float, dict]:
 
 def steady(args, levels: list[int]) -> dict:
     """Shared rounds in steady state (`BatchDecoder.step_batch`; one sequence: `step`), greedy,
-    the block of the model flags: at each concurrency N the first N prompts prefilled, WARM_ROUNDS rounds
-    untimed, then `args.steady` rounds timed. Per level: ms a round, tokens a round (all the
-    sequences'), tok/s and its ratio to one sequence's, tau; every sequence's tokens checked
-    against plain greedy decoding of its prompt."""
+    the block of the model flags: at each concurrency N the first N prompts prefilled,
+    WARM_ROUNDS rounds untimed, then `args.steady` rounds timed. Per level: ms a round, tokens a round (all the
+    sequences'), tok/s and its ratio to one sequence's, tau, and with `--phases` the split of
+    a round (`_phases`); every sequence's tokens checked against plain greedy decoding of its
+    prompt."""
     from ..engine.peer import LocalDraftPeer
     from ..engine.rounds import BatchDecoder
     from ..engine.sampling import SamplingParams
@@ -109,7 +118,7 @@ def steady(args, levels: list[int]) -> dict:
     if drafter is None:
         raise ValueError("bench batch --steady needs a drafter")
     decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter), settings.block_size)
-    budget = (WARM_ROUNDS + args.steady + 1) * decoder.block_size + 1  # no sequence ends
+    budget = (WARM_ROUNDS + args.steady + args.phases + 1) * decoder.block_size + 1  # none ends
     key, rows = make_key(0), []
     for n in levels:
         prompts = [target.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
@@ -129,6 +138,7 @@ def steady(args, levels: list[int]) -> dict:
             _round(decoder, seqs, key, out, accepted)
         wall = time.perf_counter() - t0
         made = sum(map(len, out)) - before
+        phases = _phases(decoder, seqs, key, out, args.phases) if args.phases else None
         for seq in seqs:
             decoder.close(seq)
         same = all(
@@ -145,6 +155,8 @@ def steady(args, levels: list[int]) -> dict:
                 "outputs_equal_plain": same,
             }
         )
+        if phases is not None:
+            rows[-1]["phases_ms"] = phases
     for row in rows:
         row["tok_s_vs_one"] = round(row["tok_s"] / rows[0]["tok_s"], 2)
     return {
@@ -157,12 +169,30 @@ def steady(args, levels: list[int]) -> dict:
     }
 
 
+def _phases(decoder, seqs: list, key, out: list[list[int]], rounds: int) -> dict:
+    """`rounds` rounds with every phase awaited (`Decoder.profile`): ms a round of each phase,
+    summed over the round's sequences (each step's stats hold its share of the shared phases)."""
+    total = {"draft": 0.0, "verify": 0.0, "rollback": 0.0, "other": 0.0, "round": 0.0}
+    decoder.profile = True
+    try:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            steps = _round(decoder, seqs, key, out, None)
+            total["round"] += time.perf_counter() - t0
+            for step in steps:
+                for name in ("draft", "verify", "rollback", "other"):
+                    total[name] += getattr(step.stats, f"{name}_s")
+    finally:
+        decoder.profile = False
+    return {name: round(1000 * s / rounds, 2) for name, s in total.items()}
+
+
 WARM_ROUNDS = 3  # untimed, before `steady`'s timed rounds: each batch shape's first graphs
 
 
-def _round(decoder, seqs: list, key, out: list[list[int]], accepted: list[int] | None) -> None:
+def _round(decoder, seqs: list, key, out: list[list[int]], accepted: list[int] | None) -> list:
     """One round of every sequence (shared, or one's own `step`), its tokens appended to
-    `out`; with `accepted`, each speculative round's committed tokens too."""
+    `out`; with `accepted`, each speculative round's committed tokens too. Returns the steps."""
     if len(seqs) > 1:
         steps = decoder.step_batch(seqs, [key] * len(seqs))
     else:
@@ -171,14 +201,19 @@ def _round(decoder, seqs: list, key, out: list[list[int]], accepted: list[int] |
         tokens += step.tokens
         if accepted is not None and step.stats is not None and step.stats.bs > 1:
             accepted.append(step.stats.accepted + 1)
+    return steps
 
 
 def run(args) -> dict:
+    if args.phases and not args.steady:
+        raise ValueError("--phases splits --steady's rounds: give --steady ROUNDS too")
     if args.steady:
         if args.cluster or args.temperature:
             raise ValueError(
                 "--steady times the engine's greedy rounds: no --cluster, no --temperature"
             )
+        if args.phases < 0:
+            raise ValueError(f"--phases must be >= 0, got {args.phases}")
         return steady(args, sorted({int(c) for c in args.concurrency.split(",")} | {1}))
     from ..serving.inline import InlineBackend
     from ..serving.requests import GenerateRequest

@@ -33,8 +33,9 @@ class BatchDecoder(Decoder):
         `step` gives it alone: its own key, width, acceptance, commit and rollback. Sampled
         sequences the speculation gate has step plainly take their plain steps in that forward
         too (greedy ones draft: below); sequences that cannot draft now (a drafter that is
-        down) take a plain step instead."""
-        if self.peer is None or self.block_size <= 1 or self.profile or len(seqs) < 2:
+        down) take a plain step instead. With `profile`, each phase is awaited before the next
+        (the drafts, the verify's logits, the rollback), so the stats split the round exactly."""
+        if self.peer is None or self.block_size <= 1 or len(seqs) < 2:
             return [self.step(seq, key) for seq, key in zip(seqs, keys)]
         steps: dict[int, Step] = {}
         groups: dict[int, list[int]] = {}  # width -> indices of the sequences drafting it
@@ -55,6 +56,10 @@ class BatchDecoder(Decoder):
         drafted = []  # (index, seq, drafts [width-1], q, accept key)
         for idx in groups.values():
             drafted += self._draft_group([seqs[i] for i in idx], [keys[i] for i in idx], idx, steps)
+        if self.profile:
+            mx.eval([drafts for _, _, drafts, *_ in drafted])
+        elif self.target.async_layers and drafted:  # a GPU drafts while Python builds the verify
+            mx.async_eval([drafts for _, _, drafts, *_ in drafted])
         if drafted:
             gated = [(i, seqs[i], keys[i]) for i in plain]
             self._verify_all(drafted, time.perf_counter() - t0, steps, gated)
@@ -110,6 +115,8 @@ class BatchDecoder(Decoder):
         padded = mx.stack([mx.pad(b, (0, L - b.shape[0])) for b in blocks])  # [N, L]
         caches = [seq.cache for _, seq, *_ in drafted + gated]
         outs, tape = verify_batch(self.target, padded, caches, self.tap_ids, widths)
+        if self.profile:
+            mx.eval([logits for logits, _, _ in outs])
         # the shared phases' wall time, split over the batch
         draft_s, verify_s = draft_s / len(drafted), (time.perf_counter() - t1) / len(blocks)
         self._deferred = []
