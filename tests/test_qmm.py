@@ -1,7 +1,7 @@
 """The few-row 4-bit matmul's routing (engine/qmm_cuda.py) with a pure-MLX stand-in for the
-CUDA kernel: which layers it takes, that 2..16 bf16 rows go to it and one row or many do not,
-fused sibling products too, and that its check catches a wrong kernel. The kernel itself is checked on the GPU
-(test_cuda.py)."""
+CUDA kernel: which layers it takes, that 2..64 bf16 rows go to it (16 a call) and one row or
+many do not, fused sibling products too, and that its check catches a wrong kernel. The
+kernel itself is checked on the GPU (test_cuda.py)."""
 
 from __future__ import annotations
 
@@ -35,11 +35,15 @@ def test_few_rows_go_to_the_kernel_and_outputs_agree(monkeypatch):
 
     monkeypatch.setattr(qmm_cuda, "small_qmm", standin)
     layer = _layer(bias=True)
-    xs = {rows: mx.random.normal((1, rows, 512)).astype(mx.bfloat16) for rows in (1, 8, 16, 17)}
+    sizes = (1, 8, 16, 17, 40, 64, 65)
+    xs = {rows: mx.random.normal((1, rows, 512)).astype(mx.bfloat16) for rows in sizes}
     want = {rows: layer(x) for rows, x in xs.items()}
     qmm_cuda.install(layer)
     got = {rows: layer(x) for rows, x in xs.items()}
-    assert calls == [(8, 512), (16, 512)]  # decode (1 row) and 17+ rows keep MLX's kernel
+    # decode (1 row) and passes past SPLIT_ROWS (prefill chunks) keep MLX's kernel; a shared
+    # verify's rows go 16 a call, a last call of one row taking one from the call before
+    assert [c[0] for c in calls] == [8, 16, 15, 2, 16, 16, 8, 16, 16, 16, 16]
+    assert all(c[1] == 512 for c in calls)
     for rows in xs:
         assert got[rows].shape == want[rows].shape == (1, rows, 64)
         np.testing.assert_array_equal(

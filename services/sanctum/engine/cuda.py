@@ -17,7 +17,8 @@ load, and said loudly (log lines, and `report()` for the benchmarks).
   this process's GPU stream unusable) and is remembered per MLX version and kernel source in
   $SANCTUM_HOME/cuda-checks.json.
 - 4-bit matmuls of 2..16 rows (a verify block, the draft head): qmm_cuda.py's kernel, which
-  reads the weights once for all rows (MLX CUDA's costs ~2.6x its one-row kernel at 8 rows),
+  reads the weights once for all rows (MLX CUDA's costs ~2.6x its one-row kernel at 8 rows);
+  a shared verify's 17..64 rows too, 16 a call (MLX's matrix kernel was slower still there),
   checked the same way, correct and faster than MLX's, before it is used (`prepare_linear`);
   SANCTUM_QMM_KERNEL=off keeps MLX's for all. (The narrow GDN gate projections, which MLX
   sends to a naive kernel at several rows, are fused with their siblings: engine/fused.py.)

@@ -1,5 +1,6 @@
 """A CUDA kernel for 4-bit matmuls over a few rows (a verify block's projections, the fused
-sibling products of engine/fused.py among them; a draft head), through `mx.fast.cuda_kernel`.
+sibling products of engine/fused.py among them; a draft head; a shared verify's blocks, 16
+rows a call: `rows_qmm`), through `mx.fast.cuda_kernel`.
 
 Why: on the H200, MLX CUDA's quantized matmul at 8 rows costs ~2.6x its one-row kernel when the
 layers run one after the other (measured in place at the seed's shapes: the 64 MLPs of a verify
@@ -25,6 +26,7 @@ than MLX's there (engine/cuda.py).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import contextmanager
 
@@ -241,8 +243,9 @@ def small_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> m
 
 
 class FewRowsQuantizedLinear(nn.QuantizedLinear):
-    """mlx's QuantizedLinear with calls of 2..MAX_ROWS bfloat16 rows sent to `small_qmm`
-    (`install` swaps a checked module's class to this one); one row and many rows as before."""
+    """mlx's QuantizedLinear with calls of 2..SPLIT_ROWS bfloat16 rows sent to the kernel
+    (`rows_qmm`; `install` swaps a checked module's class to this one); one row and many rows
+    as before."""
 
     def __call__(self, x: mx.array) -> mx.array:
         y = _through_kernel(x, self["weight"], self["scales"], self["biases"])
@@ -269,13 +272,33 @@ def install(model: nn.Module) -> int:
 
 
 def _through_kernel(x: mx.array, w, scales, biases) -> mx.array | None:
-    """`x` [..., K] through the kernel when it has 2..MAX_ROWS bfloat16 rows; else None (the
+    """`x` [..., K] through the kernel when it has 2..SPLIT_ROWS bfloat16 rows; else None (the
     caller runs MLX's matmul)."""
     rows = x.size // x.shape[-1]
-    if not (1 < rows <= MAX_ROWS and x.dtype == mx.bfloat16):
+    if not (1 < rows <= max(SPLIT_ROWS, MAX_ROWS) and x.dtype == mx.bfloat16):
         return None
-    y = small_qmm(x.reshape(rows, x.shape[-1]), w, scales, biases)
+    y = rows_qmm(x.reshape(rows, x.shape[-1]), w, scales, biases)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+# A shared verify's products (N blocks of 8 rows: 32, 64) go through the kernel MAX_ROWS rows
+# a call, reading the weights once a call, instead of MLX's 4-bit matrix kernel: on the H200
+# a shared verify of 8 blocks at the seed's shapes (16 layers) took 21.5 ms this way against
+# 35.5 ms with MLX's (its qmm_sm80 and qmm_naive kernels: 29 of the 40 ms of GPU time). Longer
+# passes (prefill chunks) keep MLX's. SANCTUM_QMM_SPLIT_ROWS=16: one call's rows only.
+SPLIT_ROWS = int(os.environ.get("SANCTUM_QMM_SPLIT_ROWS", "64"))
+
+
+def rows_qmm(x: mx.array, w, scales, biases) -> mx.array:
+    """`small_qmm` for x [M, K] of 2..SPLIT_ROWS rows: MAX_ROWS rows a call (a last call of one
+    row borrows one from the call before: the kernel takes 2 or more)."""
+    rows = x.shape[0]
+    if rows <= MAX_ROWS:
+        return small_qmm(x, w, scales, biases)
+    cuts = list(range(0, rows, MAX_ROWS)) + [rows]
+    if cuts[-1] - cuts[-2] == 1:
+        cuts[-2] -= 1
+    return mx.concatenate([small_qmm(x[a:b], w, scales, biases) for a, b in zip(cuts, cuts[1:])])
 
 
 @contextmanager
@@ -296,10 +319,11 @@ def disabled(model: nn.Module):
             p.kernel = _through_kernel
 
 
-def check(fn=None, shapes=((256, 512), (1024, 1536)), rows=(2, 7, 8, 16)) -> str | None:
-    """Compare `fn` (default `small_qmm`) with mx.quantized_matmul on random 4-bit weights:
-    None when they agree within bfloat16 rounding, else why not."""
-    fn = fn or small_qmm
+def check(fn=None, shapes=((256, 512), (1024, 1536)), rows=(2, 7, 8, 16, 17, 40, 64)) -> str | None:
+    """Compare `fn` (default `rows_qmm`: the kernel, split past MAX_ROWS rows) with
+    mx.quantized_matmul on random 4-bit weights: None when they agree within bfloat16
+    rounding, else why not."""
+    fn = fn or rows_qmm
     key = mx.random.key(3)
     for N, K in shapes:
         k1, k2, key = mx.random.split(key, 3)
