@@ -101,10 +101,10 @@ def _serve(backend, requests: list, clients: int) -> tuple[float, dict]:
 def steady(args, levels: list[int]) -> dict:
     """Shared rounds in steady state (`BatchDecoder.step_batch`; one sequence: `step`), greedy,
     the block of the model flags: at each concurrency N the first N prompts prefilled,
-    WARM_ROUNDS rounds untimed, then `args.steady` rounds timed. Per level: ms a round, tokens a round (all the
-    sequences'), tok/s and its ratio to one sequence's, tau, and with `--phases` the split of
-    a round (`_phases`); every sequence's tokens checked against plain greedy decoding of its
-    prompt."""
+    WARM_ROUNDS rounds untimed, then `args.steady` rounds timed. Per level: ms a round, tokens
+    a round (all the sequences'), tok/s and its ratio to one sequence's, tau, and with
+    `--phases` the split of a round (`_phases`); every sequence's tokens checked against plain
+    greedy decoding of its prompt."""
     from ..engine.peer import LocalDraftPeer
     from ..engine.rounds import BatchDecoder
     from ..engine.sampling import SamplingParams
