@@ -345,7 +345,10 @@ def chunked_gated_delta(
     for i in range(N):
         states.append(S)
         v_new = u[:, :, i] - w[:, :, i] @ S  # [B, H, C, Dv]
-        S = state_after(S.swapaxes(-1, -2), k[:, :, i], decay[:, :, i], v_new, C).swapaxes(-1, -2)
+        rows = min(C, T - i * C)  # a padded last chunk's real rows: the same products (BLAS
+        # picks its kernel by their length) as a rollback to all of them takes
+        S = state_after(S.swapaxes(-1, -2), k[:, :, i], decay[:, :, i], v_new, rows)
+        S = S.swapaxes(-1, -2)
     S_in = mx.stack(states, axis=2)  # [B, H, N, Dk, Dv]
     out = (q * faded - A @ w) @ S_in + A @ u  # [B, H, N, C, Dv]
     y = mx.moveaxis(out, 1, 3).reshape(B, N * C, Hv, Dv)[:, :T]
