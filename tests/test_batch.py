@@ -734,20 +734,22 @@ def test_bench_batch_steady_times_shared_rounds_and_checks_them_against_plain(
     monkeypatch.setattr(rounds, "verify_batch", counted)
     target_dir, drafter_dir = make_pair("hybrid", "dflash2")
     argv = ["bench", "batch", "--model", str(target_dir), "--drafter", str(drafter_dir),
-            "--steady", "2", "--concurrency", "2", "--json"]  # fmt: skip
+            "--steady", "2", "--warm-rounds", "1", "--concurrency", "2", "--json"]  # fmt: skip
     assert main([*argv, "--phases", "2"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert shared == [2] * (3 + 2 + 2)  # untimed, timed and synced rounds of the pair: shared
+    assert shared == [2] * (1 + 2 + 2)  # untimed, timed and synced rounds of the pair: shared
     for row in out["levels"]:
         split = row["phases_ms"]
         assert split["draft"] > 0 and split["verify"] > 0 and split["round"] > 0
         parts = split["draft"] + split["verify"] + split["rollback"] + split["other"]
         assert parts <= split["round"] * 1.01 + 0.05  # pieces of the round, not more
-    assert out["mode"] == "steady rounds" and out["rounds"] == 2
+    assert out["mode"] == "steady rounds" and out["rounds"] == 2 and out["warm_rounds"] == 1
     assert [r["concurrency"] for r in out["levels"]] == [1, 2]  # one sequence always measured
     assert out["all_outputs_equal_plain"] and all(r["outputs_equal_plain"] for r in out["levels"])
     for row in out["levels"]:
         assert row["round_ms"] > 0 and row["tokens_per_round"] >= row["concurrency"]
+        low, mid, high = row["round_ms_min_median_max"]
+        assert 0 < low <= mid <= high and low <= row["round_ms"] <= high  # the rounds' spread
         assert row["tau"] >= 1.0  # speculative rounds, not only plain steps
     assert out["levels"][0]["tok_s_vs_one"] == 1.0
     assert main([*argv, "--cluster"]) != 0  # refused, naming the flag

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import statistics
 import threading
 import time
 from dataclasses import replace
@@ -24,6 +25,9 @@ PROMPTS = [
     "import json\n\n\ndef load(path):",
     "def quicksort(xs):",
 ]
+
+
+WARM_ROUNDS = 3  # untimed, before `steady`'s timed rounds: each batch shape's first graphs
 
 
 def add_parser(bsub) -> None:
@@ -67,6 +71,14 @@ def add_parser(bsub) -> None:
         help="with --steady: ROUNDS more rounds at each concurrency with every phase awaited "
         "(draft, verify, rollback, the rest), for the round's split; slower rounds",
     )
+    p.add_argument(
+        "--warm-rounds",
+        type=int,
+        default=WARM_ROUNDS,
+        metavar="ROUNDS",
+        help="with --steady: untimed rounds at each concurrency before the timed ones (on the "
+        "H200 a shape's rounds settle after ~8: MLX's first graphs and buffers)",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -101,10 +113,13 @@ def _serve(backend, requests: list, clients: int) -> tuple[float, dict]:
 def steady(args, levels: list[int]) -> dict:
     """Shared rounds in steady state (`BatchDecoder.step_batch`; one sequence: `step`), greedy,
     the block of the model flags: at each concurrency N the first N prompts prefilled,
-    WARM_ROUNDS rounds untimed, then `args.steady` rounds timed. Per level: ms a round, tokens
-    a round (all the sequences'), tok/s and its ratio to one sequence's, tau, and with
-    `--phases` the split of a round (`_phases`); every sequence's tokens checked against plain
-    greedy decoding of its prompt."""
+    `args.warm_rounds` rounds untimed, then `args.steady` rounds timed. Per level: ms a round
+    (mean; and min, median, max), tokens a round (all the sequences'), tok/s and its ratio to
+    one sequence's, tau, MLX's peak memory, and with `--phases` the split of a round
+    (`_phases`); every sequence's tokens checked against plain greedy decoding of its
+    prompt."""
+    import mlx.core as mx
+
     from ..engine.peer import LocalDraftPeer
     from ..engine.rounds import BatchDecoder
     from ..engine.sampling import SamplingParams
@@ -118,7 +133,8 @@ def steady(args, levels: list[int]) -> dict:
     if drafter is None:
         raise ValueError("bench batch --steady needs a drafter")
     decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter), settings.block_size)
-    budget = (WARM_ROUNDS + args.steady + args.phases + 1) * decoder.block_size + 1  # none ends
+    rounds = args.warm_rounds + args.steady + args.phases
+    budget = (rounds + 1) * decoder.block_size + 1  # no sequence ends
     key, rows = make_key(0), []
     for n in levels:
         prompts = [target.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
@@ -130,13 +146,18 @@ def steady(args, levels: list[int]) -> dict:
         for seq, prompt in zip(seqs, prompts):
             out.append(list(decoder.start(seq, decoder.prefill(seq, prompt), key).tokens))
         accepted: list[int] = []
-        for _ in range(WARM_ROUNDS):
+        for _ in range(args.warm_rounds):
             _round(decoder, seqs, key, out, None)
         before = sum(map(len, out))
+        mx.reset_peak_memory()
+        each = []  # each round's wall time: a round ends on its acceptance, read on the host
         t0 = time.perf_counter()
         for _ in range(args.steady):
+            t1 = time.perf_counter()
             _round(decoder, seqs, key, out, accepted)
+            each.append(time.perf_counter() - t1)
         wall = time.perf_counter() - t0
+        peak = mx.get_peak_memory()
         made = sum(map(len, out)) - before
         phases = _phases(decoder, seqs, key, out, args.phases) if args.phases else None
         for seq in seqs:
@@ -149,9 +170,13 @@ def steady(args, levels: list[int]) -> dict:
             {
                 "concurrency": n,
                 "round_ms": round(1000 * wall / args.steady, 2),
+                "round_ms_min_median_max": [
+                    round(1000 * x, 2) for x in (min(each), statistics.median(each), max(each))
+                ],
                 "tokens_per_round": round(made / args.steady, 2),
                 "tok_s": round(made / wall, 1),
                 "tau": round(sum(accepted) / max(1, len(accepted)), 3),
+                "peak_memory_gb": round(peak / 2**30, 2),  # MLX's, over the timed rounds
                 "outputs_equal_plain": same,
             }
         )
@@ -162,7 +187,7 @@ def steady(args, levels: list[int]) -> dict:
     return {
         "mode": "steady rounds",
         "rounds": args.steady,
-        "warm_rounds": WARM_ROUNDS,
+        "warm_rounds": args.warm_rounds,
         "block_size": decoder.block_size,
         "levels": rows,
         "all_outputs_equal_plain": all(r["outputs_equal_plain"] for r in rows),
@@ -185,9 +210,6 @@ def _phases(decoder, seqs: list, key, out: list[list[int]], rounds: int) -> dict
     finally:
         decoder.profile = False
     return {name: round(1000 * s / rounds, 2) for name, s in total.items()}
-
-
-WARM_ROUNDS = 3  # untimed, before `steady`'s timed rounds: each batch shape's first graphs
 
 
 def _round(decoder, seqs: list, key, out: list[list[int]], accepted: list[int] | None) -> list:
