@@ -163,8 +163,13 @@ def prepare_linear(model) -> None:
         log.error("few-row 4-bit matmul kernel DISAGREES with MLX, not used: %s", result)
         print(f"sanctum: few-row 4-bit kernel disabled: {result}", file=sys.stderr)
         return
-    _qmm["layers"] += qmm_cuda.install(model)
-    log.info("few-row 4-bit matmul kernel checked: %d layers use it", _qmm["layers"])
+    layers = qmm_cuda.install(model)
+    _qmm["layers"] += layers  # over every model this process loaded (report())
+    log.info(
+        "few-row 4-bit matmul kernel checked: %d layers of this model use it (%d loaded)",
+        layers,
+        _qmm["layers"],
+    )
 
 
 _draft = {"verdict": "not checked", "attention_layers": 0, "conv_layers": 0}
