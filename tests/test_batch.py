@@ -749,7 +749,7 @@ def test_bench_batch_steady_times_shared_rounds_and_checks_them_against_plain(
     for row in out["levels"]:
         assert row["round_ms"] > 0 and row["tokens_per_round"] >= row["concurrency"]
         low, mid, high = row["round_ms_min_median_max"]
-        assert 0 < low <= mid <= high and low <= row["round_ms"] <= high  # the rounds' spread
+        assert 0 < low <= mid <= high and low <= row["round_ms"] <= high + 0.05  # (+ the loop)
         assert row["tau"] >= 1.0  # speculative rounds, not only plain steps
     assert out["levels"][0]["tok_s_vs_one"] == 1.0
     assert main([*argv, "--cluster"]) != 0  # refused, naming the flag
