@@ -77,7 +77,7 @@ def add_parser(bsub) -> None:
         default=WARM_ROUNDS,
         metavar="ROUNDS",
         help="with --steady: untimed rounds at each concurrency before the timed ones (on the "
-        "H200 a process's first run had not settled after 3 + 10 rounds; a second run had)",
+        "H200 a process's first run had not settled after 3 + 8 rounds; a second run had)",
     )
     p.add_argument("--json", action="store_true")
 
