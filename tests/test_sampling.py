@@ -413,3 +413,55 @@ def test_the_acceptance_rule_setting_is_checked():
         serve_settings(env={"SANCTUM_ACCEPT_RULE": "best"})
     with pytest.raises(ValueError, match="accept_rule"):
         next(generate(None, [1], accept_rule="best"))
+
+
+def test_tau_ceilings_are_exact_on_a_target_that_remembers_one_token():
+    """`bench tau-ceiling`'s estimators on a target whose next token depends on the previous
+    one only (a Markov chain): a drafter seeing the previous token could match it exactly, so
+    that ceiling accepts every row; the rows-independent one equals its exact value, the
+    accepted paths' weights carried row by row through the chain."""
+    from sanctum.bench.ceiling import _walks
+
+    P = np.array([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3], [0.1, 0.2, 0.7]])
+
+    class Markov:
+        def model(self, tokens, cache=None):
+            return mx.log(mx.array(P, mx.float32))[tokens[:, -1]][:, None]
+
+    rows, anchor = 5, 0
+    (independent, previous), _ = _walks(Markov(), [], anchor, 1.0, rows, 4096, mx.random.key(3))
+    assert min(previous) > 0.999
+    marginal, w, exact = np.eye(3)[anchor], None, []
+    for _ in range(rows):
+        marginal = marginal @ P  # the row's marginal: the anchor's chain k steps on
+        w = marginal if w is None else (w[:, None] * np.minimum(P, marginal[None])).sum(0)
+        exact.append(w.sum())
+    assert exact[0] == pytest.approx(1.0) and exact[-1] < 0.6
+    np.testing.assert_allclose(independent, exact, atol=0.03)
+
+
+def test_bench_tau_ceiling_reports_both_ceilings_beside_the_drafter(pair):
+    """`sanctum bench tau-ceiling` on the tiny pair: row 1 always accepted by both ceilings,
+    acceptance falling row by row, every tau within 1..block; near-greedy, both ceilings reach
+    the block (a point mass is its own marginal); a greedy temperature is refused."""
+    import argparse
+
+    from sanctum.bench.ceiling import run
+
+    args = argparse.Namespace(model=pair[0], drafter=pair[1], block_size=4, bits=None,
+                              kv_mode=None, contexts="0", temperatures="1.0,0.001",
+                              num_prompts=2, samples=8, positions="0,3", max_tokens=12,
+                              seed=0)  # fmt: skip
+    sampled, sharp = run(args)
+    for row in (sampled, sharp):
+        assert row["positions"] == 4 and row["block_size"] == 4
+        for key in ("accepted_rows_independent", "accepted_previous_token", "accepted_drafter"):
+            acc = row[key]
+            assert len(acc) == 3 and all(a >= b for a, b in zip(acc, acc[1:])), key
+        assert row["accepted_rows_independent"][0] == row["accepted_previous_token"][0] == 1.0
+        for key in ("tau_ceiling_rows_independent", "tau_ceiling_previous_token"):
+            assert 1.0 <= row[key] <= 4.0, key
+    assert sharp["tau_ceiling_rows_independent"] > 3.99
+    assert sharp["tau_ceiling_previous_token"] > 3.99
+    with pytest.raises(ValueError, match="--temperatures"):
+        run(argparse.Namespace(**{**vars(args), "temperatures": "0"}))

@@ -72,12 +72,14 @@ def register(sub) -> None:
     r.add_argument("--lengths", default="256,1024,4096")
     r.add_argument("--json", action="store_true")
     from .cachesize import add_parser as add_cache_size
+    from .ceiling import add_parser as add_tau_ceiling
     from .cuda import add_parser as add_cuda
     from .seed import add_parser as add_seed
 
     add_seed(bsub)
     add_cuda(bsub)
     add_cache_size(bsub)
+    add_tau_ceiling(bsub)
     b.set_defaults(func=main)
 
 
@@ -123,6 +125,13 @@ def cache_size(args) -> list[dict]:
     return run(args)
 
 
+def tau_ceiling(args) -> list[dict]:
+    """Sampled tau a block drafter could reach on the target, beside the drafter's (bench/ceiling.py)."""
+    from .ceiling import run
+
+    return run(args)
+
+
 def cuda(args) -> dict:
     """The CUDA-only paths checked and timed (bench/cuda.py)."""
     from .cuda import run
@@ -142,6 +151,7 @@ BENCHES = {
     "seed": seed,
     "cuda": cuda,
     "cache-size": cache_size,
+    "tau-ceiling": tau_ceiling,
 }
 
 
