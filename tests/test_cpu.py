@@ -81,13 +81,20 @@ def test_native_jit_kernels_give_the_same_bits(tmp_path):
     cache.mkdir(parents=True)
     stale = cache / "libStale_f4_1_contiguous.so"
     stale.write_bytes(b"not a library")
+    # an earlier wrapper's marker: its kernels were built with other flags, so they go too
+    (cache / cpu._MARKER).write_text("-march=native -ffp-contract=off\n")
     native, native_out = _run_kernels(native_tmp)
     assert native["on"], "the wrapper was not installed"
     assert Path(native["compiler"]).parent.name.startswith("sanctum-jit-")
     assert all(native["kernels"].values()), native["kernels"]
-    assert not stale.exists(), "a kernel compiled before the wrapper was kept"
+    assert not stale.exists(), "a kernel compiled before these flags was kept"
     assert (cache / cpu._MARKER).read_text().split() == list(cpu.FLAGS)
     assert list(cache.glob("lib*.so")), "no kernel was compiled through the wrapper"
+    objdump = shutil.which("objdump")
+    if objdump and os.uname().machine == "x86_64":  # the point of the flags: packed arithmetic
+        (lib,) = [p for p in cache.glob("lib*Sigmoid*.so") if "contiguous" in p.name][:1]
+        code = subprocess.run([objdump, "-d", str(lib)], capture_output=True, text=True).stdout
+        assert "mulps" in code, f"{lib.name}: the kernel's loop was not vectorized"
 
     # a wrapper inherited on PATH (a parent's, as Ray workers inherit it): "off" takes it away
     inherited = Path(native["compiler"]).parent

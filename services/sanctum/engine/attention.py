@@ -32,7 +32,7 @@ from mlx_lm.models import qwen3, qwen3_moe
 from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
-from . import fused
+from . import cpu, fused
 
 MAX_ROWS = 32  # the few-row passes (verify and draft blocks, up to gdn.COMPILE_MAX_ROWS)
 ENABLED = True  # False: MLX's attention everywhere (a before/after)
@@ -43,11 +43,6 @@ def grouped_rows(rows: int) -> bool:
     return ENABLED and 1 < rows <= MAX_ROWS and mx.default_device() == mx.cpu
 
 
-@partial(mx.compile, shapeless=True)  # one trace for every key length
-def _shifted_exp(scores: mx.array, peak: mx.array) -> mx.array:
-    return mx.exp(scores - peak)
-
-
 @partial(mx.compile, shapeless=True)
 def _normalized(e: mx.array, total: mx.array) -> mx.array:
     return e * (1 / total)  # as MLX's softmax: one reciprocal a row, then products
@@ -56,7 +51,7 @@ def _normalized(e: mx.array, total: mx.array) -> mx.array:
 def softmax(scores: mx.array) -> mx.array:
     """Softmax over the last axis in float32, as MLX's precise softmax computes it, with the
     exp in a compiled kernel."""
-    e = _shifted_exp(scores, scores.max(-1, keepdims=True))
+    e = cpu.shifted_exp(scores, scores.max(-1, keepdims=True))
     return _normalized(e, e.sum(-1, keepdims=True))
 
 
