@@ -465,3 +465,26 @@ def test_bench_tau_ceiling_reports_both_ceilings_beside_the_drafter(pair):
     assert sharp["tau_ceiling_previous_token"] > 3.99
     with pytest.raises(ValueError, match="--temperatures"):
         run(argparse.Namespace(**{**vars(args), "temperatures": "0"}))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("vocab", [8192, 1001, 5])
+def test_logsumexp_is_mlxs_to_the_bit(dtype, vocab):
+    """The greedy rule's logsumexp (sampling.logsumexp) gives MLX's own bits, on rows of every
+    scale, rows all -inf, a +inf logit and masked logits; so do the greedy picks made with it."""
+    from sanctum.engine.sampling import greedy_tokens, logsumexp
+
+    for seed in range(12):
+        x = mx.random.normal((8, vocab), key=mx.random.key(seed)) * (1 + seed) ** 1.5
+        x[1] = -mx.inf
+        x[2, vocab // 2] = mx.inf
+        x[3, : vocab // 3] = -mx.inf
+        x[4] = x[4] + 1e4  # far from 0: the shift matters
+        x = x.astype(dtype)
+        want = mx.logsumexp(x, axis=-1, keepdims=True)
+        got = logsumexp(x)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        bits = mx.uint16 if dtype != mx.float32 else mx.uint32
+        assert mx.array_equal(got.view(bits), want.view(bits)), seed
+        ref = mx.argmax(x - want, axis=-1)
+        assert greedy_tokens(x).tolist() == ref.tolist(), seed
