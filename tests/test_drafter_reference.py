@@ -37,15 +37,16 @@ def _reference_drafter(path, monkeypatch, target_model):
     return model.bind(target_model)
 
 
-@pytest.mark.parametrize("step", [None, 8])
+@pytest.mark.parametrize("step", [None, 8, 0])
 @pytest.mark.parametrize("layout", sorted(DRAFTER_LAYOUTS))
 def test_drafter_equals_reference(layout, step, target, tmp_path, monkeypatch):
-    """`step` 8: sliding contexts pad to buckets of 8 rows (ContextCache.STEP, as on a GPU), so
-    the compiled stack runs at several padded shapes before the windows fill, and still
-    agrees. None: this device's default (on the CPU: op by op until the windows are full)."""
-    if step is not None:
+    """`step` 8: sliding contexts pad to buckets of 8 rows (ContextCache.STEP), so the compiled
+    stack runs at several padded shapes before the windows fill, and still agrees. None: the
+    default (one bucket of the whole window). 0: no padding (PAD_TO_BUCKETS off: op by op
+    until the windows are full)."""
+    if step:
         monkeypatch.setattr(ContextCache, "STEP", step)
-        monkeypatch.setattr(drafter_module, "PAD_TO_BUCKETS", True)
+    monkeypatch.setattr(drafter_module, "PAD_TO_BUCKETS", step != 0)
     target_dir, tgt = target
     raw = DRAFTER_LAYOUTS[layout](drafter_config("dflash", target_dir, block_size=8, layers=2))
     path = write_random_drafter(tmp_path / layout, raw, seed=3)
@@ -101,7 +102,7 @@ def test_drafter_equals_reference(layout, step, target, tmp_path, monkeypatch):
     # all sliding: once every window is full the layers ran as one compiled graph (and agreed)
     all_sliding = all(t == "sliding_attention" for t in cfg.layer_types)
     assert ("_stack" in ours.body.__dict__) == all_sliding
-    if all_sliding and step is not None:
+    if all_sliding and step:
         assert len(buckets) >= 2  # padded shapes below the window, then the window itself
 
 
