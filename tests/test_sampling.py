@@ -488,3 +488,23 @@ def test_logsumexp_is_mlxs_to_the_bit(dtype, vocab):
         assert mx.array_equal(got.view(bits), want.view(bits)), seed
         ref = mx.argmax(x - want, axis=-1)
         assert greedy_tokens(x).tolist() == ref.tolist(), seed
+
+
+def test_probabilities_softmax_is_mlxs_within_rounding():
+    """On the CPU the target's probabilities take the compiled softmax (cpu.softmax): MLX's
+    softmax within float32 rounding, top-k and top-p applied as before."""
+    x = mx.random.normal((8, 8192), key=mx.random.key(5)) * 4
+    for params in (SamplingParams(0.7), SamplingParams(1.0, top_k=20), SamplingParams(1.3, 0.9)):
+        want = mx.softmax(x / params.temperature, axis=-1)
+        got = probabilities(x, params)
+        kept = got > 0
+        assert mx.allclose(got.sum(-1), mx.ones((8,)), atol=1e-5)
+        if params.top_k == 0 and params.top_p == 1.0:
+            assert mx.allclose(got, want, rtol=1e-6, atol=1e-9)
+        else:  # renormalized over what is kept
+            assert mx.allclose(
+                got,
+                mx.where(kept, want, 0) / mx.where(kept, want, 0).sum(-1, keepdims=True),
+                rtol=1e-5,
+                atol=1e-9,
+            )

@@ -25,8 +25,6 @@ heads of 64, 2,304 keys; a timing script, 200 calls each, five runs): an 8-row a
 
 from __future__ import annotations
 
-from functools import partial
-
 import mlx.core as mx
 from mlx_lm.models import qwen3, qwen3_moe
 from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
@@ -41,18 +39,6 @@ ENABLED = True  # False: MLX's attention everywhere (a before/after)
 def grouped_rows(rows: int) -> bool:
     """Whether a pass of `rows` query rows takes `grouped_attention` on this device."""
     return ENABLED and 1 < rows <= MAX_ROWS and mx.default_device() == mx.cpu
-
-
-@partial(mx.compile, shapeless=True)
-def _normalized(e: mx.array, total: mx.array) -> mx.array:
-    return e * (1 / total)  # as MLX's softmax: one reciprocal a row, then products
-
-
-def softmax(scores: mx.array) -> mx.array:
-    """Softmax over the last axis in float32, as MLX's precise softmax computes it, with the
-    exp in a compiled kernel."""
-    e = cpu.shifted_exp(scores, scores.max(-1, keepdims=True))
-    return _normalized(e, e.sum(-1, keepdims=True))
 
 
 def grouped_attention(
@@ -82,7 +68,7 @@ def grouped_attention(
             scores = mx.where(mask, scores, low)
         else:
             scores = scores + mask
-    probs = softmax(scores.astype(mx.float32)).astype(v.dtype).reshape(B, Hk, r * L, S)
+    probs = cpu.softmax(scores.astype(mx.float32)).astype(v.dtype).reshape(B, Hk, r * L, S)
     return (probs @ v).reshape(B, Hq, L, D)
 
 

@@ -49,7 +49,7 @@ def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
     if 0 < params.top_k < vocab:
         kth = mx.sort(logits, axis=-1)[:, vocab - params.top_k][:, None]
         logits = mx.where(logits < kth, -mx.inf, logits)
-    probs = mx.softmax(logits, axis=-1)
+    probs = cpu.softmax(logits) if mx.default_device() == mx.cpu else mx.softmax(logits, axis=-1)
     if params.top_p < 1.0:
         order = mx.argsort(-probs, axis=-1)
         sorted_p = mx.take_along_axis(probs, order, axis=-1)
