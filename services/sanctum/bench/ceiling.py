@@ -75,14 +75,16 @@ def _walks(target, cache, anchor: int, temperature: float, rows: int, n: int, ke
     marginal given the previous token (the module's docstring), from `anchor` on `cache`."""
     import mlx.core as mx
 
+    from ..engine.sampling import SamplingParams, probabilities
+
+    sampling = SamplingParams(temperature)
     caches = _repeat_cache(cache, 3 * n)
     tokens = mx.full((3 * n, 1), anchor, mx.int32)
     weight = [mx.ones((n,)), mx.ones((n,))]
     accepted: list[list[float]] = [[], []]
     prev = None  # the previous row's tokens of each set
     for _ in range(rows):
-        logits = target.model(tokens, cache=caches)[:, -1].astype(mx.float32)
-        p = mx.softmax(logits / temperature, axis=-1)  # [3n, V]
+        p = probabilities(target.model(tokens, cache=caches)[:, -1], sampling)  # [3n, V]: as served
         marginal = p[:n].mean(axis=0, keepdims=True)
         if prev is None:
             given_prev = marginal
