@@ -22,9 +22,13 @@ machine).
 MLX keeps each compiled library under `<temp dir>/mlx/<version>/cpu/` by kernel name and reuses
 it, so kernels compiled before the wrapper, or with other flags, would stay as they were: the
 first `prepare` on a machine with these FLAGS removes them (a marker file naming the flags,
-under a lock). `SANCTUM_CPU_JIT=off` leaves MLX's command
-as it is (and takes an inherited wrapper off PATH). Nothing changes on a GPU, or where no g++ is
-found, or where the flags fail a test compile.
+under a lock). `SANCTUM_CPU_JIT=off` leaves MLX's command as it is (and takes an inherited
+wrapper off PATH). Nothing changes on a GPU, or where no g++ is found, or where the flags fail
+a test compile.
+
+`shifted_exp` and `softmax` at the end are the compiled forms of MLX's exp and softmax that
+the CPU's hot paths call instead of MLX's own ops (the grouped attention, the greedy rule's
+logsumexp, sampling's probabilities).
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ def _stamp() -> str:
     return " ".join(FLAGS) + "\n"
 
 
-def _drop_scalar_kernels(cache: Path) -> None:
+def _drop_stale_kernels(cache: Path) -> None:
     """Remove the kernels MLX compiled before the wrapper or with other FLAGS (once a machine
     and set of flags, under a lock)."""
     cache.mkdir(parents=True, exist_ok=True)
@@ -149,7 +153,7 @@ def prepare() -> bool:
     cache = jit_cache_dir()
     # the probe compile (~0.1 s) once: a kept wrapper and the marker say it passed
     if (kept and _marked(cache / _MARKER)) or _compiles(wrapper):
-        _drop_scalar_kernels(cache)
+        _drop_stale_kernels(cache)
         os.environ["PATH"] = str(wrapper.parent) + os.pathsep + path
         _on = True
     return _on
