@@ -182,8 +182,9 @@ COMPILE_DRAFTS = True
 # every device (None: on a GPU only). On a GPU op by op the draft is host-bound. On the CPU,
 # once the JIT's kernels vectorized (engine/cpu.py), the compiled stack beat op by op there too,
 # padding included: synced draft 7.1-7.4 against 8.4 ms for one sequence, 15.2-15.7 against
-# 17.3-18.2 for four (`bench batch --steady 16 --phases 4 --concurrency 1,4`, default pair,
-# short prompts, two interleaved pairs); before, it cost more than compiling saved (0.95x).
+# 17.3-18.2 for four (`bench batch --steady 16 --phases 4 --concurrency 1,4`'s rounds with this
+# flag on and off in turn, a script; default pair, short prompts, two pairs); before, it cost
+# more than compiling saved (0.95x).
 PAD_TO_BUCKETS: bool | None = True
 
 
