@@ -565,9 +565,9 @@ def test_steady_drafts_of_a_batch_run_as_one_compiled_stack_equal_to_alone(make_
 
 
 def test_padded_drafts_of_a_batch_group_by_bucket_and_equal_alone(make_pair, tmp_path, monkeypatch):
-    """Before the windows fill, on a GPU (PAD_TO_BUCKETS), each sequence's context pads to a
-    bucket (here of 8 rows) and the compiled stack runs once per bucket group: every block's
-    hidden states equal drafting it alone op by op, unpadded, in the batch's order."""
+    """Before the windows fill (PAD_TO_BUCKETS), each sequence's context pads to a bucket
+    (here of 8 rows) and the compiled stack runs once per bucket group: every block's hidden
+    states equal drafting it alone op by op, unpadded, in the batch's order."""
     from sanctum.engine import drafter as drafter_module
     from sanctum.engine.drafter import ContextCache, load_drafter
     from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter

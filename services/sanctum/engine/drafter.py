@@ -179,13 +179,13 @@ class BufferContext:
 # False: op by op always.
 COMPILE_DRAFTS = True
 # Before its windows fill, compiled over contexts padded to buckets (ContextCache.bucket), on
-# every device (None: on a GPU only). On a GPU op by op the draft is host-bound. On the CPU,
-# once the JIT's kernels vectorized (engine/cpu.py), the compiled stack beat op by op there too,
-# padding included: synced draft 7.1-7.4 against 8.4 ms for one sequence, 15.2-15.7 against
-# 17.3-18.2 for four (`bench batch --steady 16 --phases 4 --concurrency 1,4`'s rounds with this
-# flag on and off in turn, a script; default pair, short prompts, two pairs); before, it cost
-# more than compiling saved (0.95x).
-PAD_TO_BUCKETS: bool | None = True
+# every device; False: op by op until the windows are full. On a GPU op by op the draft is
+# host-bound. On the CPU, once the JIT's kernels vectorized (engine/cpu.py), the compiled stack
+# beat op by op too, padding included: synced draft 7.1-7.4 against 8.4 ms for one sequence,
+# 15.2-15.7 against 17.3-18.2 for four (`bench batch --steady 16 --phases 4 --concurrency
+# 1,4`'s rounds with this flag on and off in turn, a script; default pair, short prompts, two
+# pairs); before, it cost more than compiling saved (0.95x).
+PAD_TO_BUCKETS = True
 
 
 def padded_block_mask(
@@ -565,10 +565,11 @@ class DraftBody(nn.Module):
         RoPE, and its context is a full window or pads to one of a few bucket shapes
         (PAD_TO_BUCKETS). Full-attention layers' contexts grow without bound, and tracing a
         graph per length would cost more than it saves."""
-        pad = PAD_TO_BUCKETS if PAD_TO_BUCKETS is not None else mx.default_device() == mx.gpu
         return (
             COMPILE_DRAFTS
-            and all(c.window is not None and (pad or c.num_rows == c.window) for c in cache)
+            and all(
+                c.window is not None and (PAD_TO_BUCKETS or c.num_rows == c.window) for c in cache
+            )
             and all(type(layer.self_attn.rope) is nn.RoPE for layer in self.layers)
         )
 
