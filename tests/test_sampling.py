@@ -470,9 +470,10 @@ def test_bench_tau_ceiling_reports_both_ceilings_beside_the_drafter(pair):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("vocab", [8192, 1001, 5])
 def test_logsumexp_is_mlxs_to_the_bit(dtype, vocab):
-    """The greedy rule's logsumexp (sampling.logsumexp) gives MLX's own bits, on rows of every
+    """The greedy rule's logsumexp (cpu.logsumexp) gives MLX's own bits, on rows of every
     scale, rows all -inf, a +inf logit and masked logits; so do the greedy picks made with it."""
-    from sanctum.engine.sampling import greedy_tokens, logsumexp
+    from sanctum.engine.cpu import logsumexp
+    from sanctum.engine.sampling import greedy_tokens
 
     for seed in range(12):
         x = mx.random.normal((8, vocab), key=mx.random.key(seed)) * (1 + seed) ** 1.5

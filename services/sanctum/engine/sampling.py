@@ -49,7 +49,7 @@ def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
     if 0 < params.top_k < vocab:
         kth = mx.sort(logits, axis=-1)[:, vocab - params.top_k][:, None]
         logits = mx.where(logits < kth, -mx.inf, logits)
-    probs = cpu.softmax(logits) if mx.default_device() == mx.cpu else mx.softmax(logits, axis=-1)
+    probs = cpu.softmax(logits)
     if params.top_p < 1.0:
         order = mx.argsort(-probs, axis=-1)
         sorted_p = mx.take_along_axis(probs, order, axis=-1)
@@ -65,24 +65,7 @@ def greedy_tokens(logits: mx.array) -> mx.array:
     """[R, V] logits -> [R] greedy tokens, by mlx-lm's rule: the argmax of the log-probabilities
     in the logits' own dtype. In bf16 the subtraction can tie or reorder nearly equal logits, so a
     plain argmax would not always reproduce mlx-lm's greedy decode."""
-    return mx.argmax(logits - logsumexp(logits), axis=-1)
-
-
-def logsumexp(x: mx.array) -> mx.array:
-    """`mx.logsumexp(x, axis=-1, keepdims=True)` to the bit, ~4x faster on the CPU.
-
-    MLX's CPU kernel takes each row's max, then sums exp(x - max) in float32 one element at a
-    time, in order, with its scalar exp (~12 ns an element: 3.4 ms for the 32 rows of 8,192
-    logits of a shared verify of four, against ~0.3 ms for the rest of their greedy picks). The
-    same sum here: the exp as a compiled kernel (the same bits, vectorized: cpu.shifted_exp),
-    added in order as the last prefix sum of MLX's scan (tests/test_sampling.py compares both
-    to the bit). On a GPU MLX's kernel sums in another order, so it runs there."""
-    if mx.default_device() != mx.cpu:
-        return mx.logsumexp(x, axis=-1, keepdims=True)
-    wide = x.astype(mx.float32)
-    peak = wide.max(axis=-1, keepdims=True)
-    total = mx.cumsum(cpu.shifted_exp(wide, peak), axis=-1)[..., -1:]
-    return mx.where(mx.isinf(peak), peak, mx.log(total) + peak).astype(x.dtype)
+    return mx.argmax(logits - cpu.logsumexp(logits), axis=-1)
 
 
 def sample(probs: mx.array, key: mx.array) -> mx.array:
