@@ -105,14 +105,13 @@ def _walks(target, cache, anchor: int, temperature: float, rows: int, n: int, ke
     return [[float(a) for a in row] for row in accepted], key
 
 
-def _drafter_rows(target, drafter, prompts, temperature, args, settings, rows: int) -> list[float]:
-    """The loaded drafter's P(rows 1..k accepted) under the token rule, seeded as bench tau."""
-    from ..engine.sampling import SamplingParams
+def _drafter_rows(target, drafter, prompts, samplings, args, settings, rows: int) -> list[float]:
+    """The loaded drafter's P(rows 1..k accepted) under the token rule, each prompt with its
+    sampling (seeded as bench tau)."""
     from .decode import _run_once
 
     accepted = []
-    for i, ids in enumerate(prompts):
-        sampling = SamplingParams(temperature=temperature, seed=args.seed * 1000 + i)
+    for ids, sampling in zip(prompts, samplings):
         _, stats, _, _ = _run_once(
             target, drafter, ids, args.max_tokens, settings, sampling, rule="token"
         )
@@ -124,9 +123,10 @@ def _drafter_rows(target, drafter, prompts, temperature, args, settings, rows: i
 def run(args) -> list[dict]:
     import mlx.core as mx
 
+    from ..engine.sampling import SamplingParams
     from ..serving.inline import load_models
     from ..settings import engine_settings, model_flags
-    from .decode import context_prompts
+    from .decode import _run_once, context_prompts
 
     settings = engine_settings(**model_flags(args))
     target, drafter = load_models(settings)
@@ -147,20 +147,21 @@ def run(args) -> list[dict]:
         for temperature in temps:
             t0 = time.perf_counter()
             walks: list[list[list[float]]] = [[], []]
-            for i, ids in enumerate(prompts[c]):
+            samplings = [  # seeded as bench tau's
+                SamplingParams(temperature=temperature, seed=args.seed * 1000 + i)
+                for i in range(len(prompts[c]))
+            ]
+            for ids, sampling in zip(prompts[c], samplings):
+                # the target's own seeded reply, as plain sampled decoding gives it; the
+                # ceilings are taken at its positions, reply[pos] the anchor
+                reply, *_ = _run_once(target, None, ids, positions[-1] + 1, settings, sampling)
                 cache = target.make_cache("fp16")
-                logits, _ = target.prefill(list(ids), cache)
-                draw = mx.random.key(args.seed * 1000 + i)
-                reply: list[int] = []  # the cache holds all of it but its last token
-                for pos in positions:  # sampled as far as this position's anchor, reply[pos]
-                    while len(reply) <= pos:
-                        if reply:
-                            logits, _ = target.forward(
-                                mx.array(reply[-1:]), cache, all_logits=False
-                            )
-                        draw, sub = mx.random.split(draw)
-                        scaled = logits[-1:].astype(mx.float32) / temperature
-                        reply.append(int(mx.random.categorical(scaled, key=sub)[0]))
+                target.prefill(list(ids), cache)
+                done = 0  # reply tokens the cache holds
+                for pos in positions:
+                    if pos > done:
+                        target.forward(mx.array(reply[done:pos]), cache, all_logits=False)
+                        done = pos
                     pair, key = _walks(
                         target, cache, reply[pos], temperature, block - 1, args.samples, key
                     )
@@ -168,7 +169,7 @@ def run(args) -> list[dict]:
                     walks[1].append(pair[1])
             ceiling, given_prev = (np.array(w).mean(axis=0) for w in walks)
             drafter_rows = _drafter_rows(
-                target, drafter, prompts[c], temperature, args, settings, block - 1
+                target, drafter, prompts[c], samplings, args, settings, block - 1
             )
             rows.append(
                 {
