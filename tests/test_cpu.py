@@ -92,7 +92,9 @@ def test_native_jit_kernels_give_the_same_bits(tmp_path):
     assert list(cache.glob("lib*.so")), "no kernel was compiled through the wrapper"
     objdump = shutil.which("objdump")
     if objdump and os.uname().machine == "x86_64":  # the point of the flags: packed arithmetic
-        (lib,) = [p for p in cache.glob("lib*Sigmoid*.so") if "contiguous" in p.name][:1]
+        libs = [p for p in cache.glob("lib*Sigmoid*.so") if "contiguous" in p.name]
+        assert libs, "no contiguous sigmoid kernel was compiled"
+        lib = libs[0]
         code = subprocess.run([objdump, "-d", str(lib)], capture_output=True, text=True).stdout
         assert "mulps" in code, f"{lib.name}: the kernel's loop was not vectorized"
 
