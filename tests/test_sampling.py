@@ -509,3 +509,59 @@ def test_probabilities_softmax_is_mlxs_within_rounding():
                 rtol=1e-5,
                 atol=1e-9,
             )
+
+
+def test_compiled_sampled_selection_equals_op_by_op(tiny_vocab_pairs, monkeypatch):
+    """DFlash 2's sampled selection runs as one compiled graph (one per block height, any key
+    and temperature); it draws the same tokens with the same q as its ops run one by one."""
+    from sanctum.engine import drafter as drafter_module
+
+    _, drafters = tiny_vocab_pairs
+    head = drafters["dflash2"].head
+    hidden = mx.random.normal((5, drafters["dflash2"].cfg.hidden_size), key=mx.random.key(9))
+    logits = head.logits(hidden)
+    cases = [(0.7, 0, 12), (1.0, 1, 3), (0.35, 2, 12), (1.0, 3, 7)]
+    compiled = [head.select(hidden, logits, a, t, make_key(s)) for t, s, a in cases]
+    monkeypatch.setattr(drafter_module, "COMPILE_DRAFTS", False)
+    for (t, s, a), got in zip(cases, compiled):
+        want = head.select(hidden, logits, a, t, make_key(s))
+        for g, w in zip(got, want):
+            assert np.array_equal(np.array(g), np.array(w)), (t, s, a)
+    draws = {
+        tuple(np.array(head.select(hidden, logits, 12, 1.0, make_key(s))[0])) for s in range(6)
+    }
+    assert len(draws) > 1  # the key is an input of the graph, not a constant of its trace
+    with pytest.raises(ValueError, match="key"):
+        head.select(hidden, logits, 12, 0.7)
+
+
+def test_accept_block_in_one_sync_draws_what_the_two_step_rule_draws():
+    """`accept_block` draws the next token before the host reads the count (one sync a round):
+    for every key it returns what reading the count first and then drawing from that row's
+    residual (or, every draft kept, from p) returns, at every count 0..n."""
+    from sanctum.engine.sampling import accept_block, block_acceptance
+
+    def two_step(drafts, Q, P, key):
+        n = drafts.shape[0]
+        k_accept, k_fix = mx.random.split(key)
+        h, residual = block_acceptance(drafts, Q, P)
+        u = mx.random.uniform(shape=(n,), key=k_accept)
+        kept = int(mx.where(u < h[1:], mx.arange(1, n + 1), 0).max().item())
+        p = P[kept]
+        if kept < n:
+            total = residual[kept].sum()
+            p = mx.where(total > 0, residual[kept] / mx.maximum(total, 1e-30), p)
+        return kept, int(mx.random.categorical(mx.log(p[None]), key=k_fix)[0].item())
+
+    rng = np.random.default_rng(11)
+    n = 3
+    p_np = rng.dirichlet(np.ones(VOCAB) * 0.6, size=n + 1)
+    q_np = 0.5 * p_np[:n] + 0.5 * rng.dirichlet(np.ones(VOCAB), size=n)
+    P, Q = mx.array(p_np.astype(np.float32)), mx.array(q_np.astype(np.float32))
+    seen = set()
+    for s in range(300):  # drafts drawn from q, so that every count is reached
+        drafts = mx.array([int(rng.choice(VOCAB, p=q)) for q in q_np])
+        got = accept_block(drafts, Q, P, mx.random.key(s))
+        assert got == two_step(drafts, Q, P, mx.random.key(s)), s
+        seen.add(got[0])
+    assert seen == set(range(n + 1))

@@ -731,29 +731,54 @@ class DraftHead(nn.Module):
         """DFlash 2 selection, rows left to right.
 
         Returns (tokens [R], candidate ids [R, k], candidate probabilities q [R, k]); greedy
-        (temperature 0) takes the argmax and q is one-hot on it.
+        (temperature 0) takes the argmax and q is one-hot on it. Sampling draws row r with the
+        r-th of `key`'s R splits (`key` required).
         """
         R = hidden.shape[0]
-        top_k = self.cfg.selector_top_k if temperature <= 0 else SAMPLING_CANDIDATES
+        anchors = mx.array([anchor])
+        if temperature > 0:
+            # its keys made outside the graph, so that one graph serves every key (mx.random's
+            # implicit key would be a constant of the trace)
+            if key is None:
+                raise ValueError("a sampled selection needs a key")
+            keys = mx.random.split(key, R)
+            temp = mx.array(temperature, mx.float32)
+            if not COMPILE_DRAFTS:
+                return self._select_sampled(hidden, logits, anchors, temp, keys)
+            # one compiled graph per block height: op by op, a draw's rows were ~40 small
+            # kernels and as many graph nodes built in Python every round
+            fn = self.__dict__.get("_compiled_sampled")
+            if fn is None:  # the selector's weights are captured at the first trace
+                fn = self.__dict__["_compiled_sampled"] = mx.compile(self._select_sampled)
+            return fn(hidden, logits, anchors, temp, keys)
         cand, first, after = self._candidate_scores(
-            hidden[None], logits[None], mx.array([anchor]), top_k
+            hidden[None], logits[None], anchors, self.cfg.selector_top_k
         )
         cand, first, after = cand[0], first[0], after[0]
         k = cand.shape[-1]
-        keys = mx.random.split(key, R) if key is not None else None
-        picks, probs, scores = [], [], first
+        picks, scores = [], first
         for r in range(R):
             if r > 0:
                 scores = after[r - 1][picks[-1]]  # [k]: given the previous row's pick
-            if temperature <= 0:
-                picks.append(mx.argmax(scores))
-            else:
-                probs.append(mx.softmax(scores / temperature))
-                picks.append(mx.random.categorical(mx.log(probs[-1] + 1e-30), key=keys[r]))
+            picks.append(mx.argmax(scores))
         idx = mx.stack(picks)[:, None]  # [R, 1]
         tokens = mx.take_along_axis(cand, idx, axis=-1)[:, 0]
-        if temperature <= 0:  # q one-hot on each pick
-            return tokens, cand, (mx.arange(k)[None] == idx).astype(mx.float32)
+        # q one-hot on each pick
+        return tokens, cand, (mx.arange(k)[None] == idx).astype(mx.float32)
+
+    def _select_sampled(self, hidden, logits, anchors, temperature, keys):
+        """`select` at `temperature` > 0 ([] float32) with one key a row (`keys` [R, 2])."""
+        cand, first, after = self._candidate_scores(
+            hidden[None], logits[None], anchors, SAMPLING_CANDIDATES
+        )
+        cand, first, after = cand[0], first[0], after[0]
+        picks, probs, scores = [], [], first
+        for r in range(hidden.shape[0]):
+            if r > 0:
+                scores = after[r - 1][picks[-1]]  # [k]: given the previous row's pick
+            probs.append(mx.softmax(scores / temperature))
+            picks.append(mx.random.categorical(mx.log(probs[-1] + 1e-30), key=keys[r]))
+        tokens = mx.take_along_axis(cand, mx.stack(picks)[:, None], axis=-1)[:, 0]
         return tokens, cand, mx.stack(probs)
 
     def select_greedy(self, hidden: mx.array, logits: mx.array, anchors: mx.array) -> mx.array:

@@ -114,10 +114,15 @@ def _next_token(residual: mx.array | None, p: mx.array, key: mx.array) -> int:
     """The token after the accepted drafts: from normalize(`residual`) [V] after a rejection,
     else (every draft accepted: the bonus) from `p`, the target's distribution there; also
     from `p` where the residual has no mass (p == q exactly: nothing to correct)."""
+    return int(_draw_next(residual, p, key).item())
+
+
+def _draw_next(residual: mx.array | None, p: mx.array, key: mx.array) -> mx.array:
+    """`_next_token`, unevaluated: [] int32."""
     if residual is not None:
         total = residual.sum()
         p = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p)
-    return int(sample(p[None], key)[0].item())
+    return sample(p[None], key)[0]
 
 
 ACCEPT_RULES = ("block", "token")
@@ -163,9 +168,14 @@ def accept_block(
         return 0, _next_token(None, target_probs[0], k_fix)
     h, residual = block_acceptance(drafts, draft_probs, target_probs)
     u = mx.random.uniform(shape=(n,), key=k_accept)
-    accepted = int(mx.where(u < h[1:], mx.arange(1, n + 1), 0).max().item())
-    rest = residual[accepted] if accepted < n else None
-    return accepted, _next_token(rest, target_probs[accepted], k_fix)
+    accepted = mx.where(u < h[1:], mx.arange(1, n + 1), 0).max()
+    # the next token drawn before the host reads `accepted` (one sync a round, not two): from
+    # residual[accepted], or, all n kept, from p[n], which `_next_token` takes for a residual
+    # of no mass (the row times 0: zeros, the same values as no residual)
+    rest = residual[mx.minimum(accepted, n - 1)] * (accepted < n)
+    token = _draw_next(rest, target_probs[accepted], k_fix)
+    mx.eval(accepted, token)
+    return int(accepted.item()), int(token.item())
 
 
 def acceptance_length(accepted: int, rounds: int) -> float | None:
