@@ -263,6 +263,27 @@ def test_two_stage_top_candidates_are_the_top_k(vocab, k):
     assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("vocab", [8192, 248320, 1000])
+@pytest.mark.parametrize("k", [16, 128])
+def test_cpu_pruned_top_candidates_are_the_top_k(vocab, k):
+    """The CPU's default top-k (rows pruned to the chunks with the largest maxima first) picks
+    the same set as one partition of the whole row; where logits tie at the k-th value, the
+    same values. A vocabulary the chunks do not divide (1000) takes one partition."""
+    from sanctum.engine.drafter import _pruning_chunk, top_candidates
+
+    assert (_pruning_chunk(vocab, k) is None) == (vocab == 1000)
+    with mx.stream(mx.cpu):
+        logits = mx.random.normal((2, 7, vocab), key=mx.random.key(vocab + k))
+        got = np.sort(np.array(top_candidates(logits, k)), axis=-1)
+        want = np.sort(np.argsort(-np.array(logits), axis=-1)[..., :k], axis=-1)
+        assert np.array_equal(got, want)
+        # few distinct values: many ties at the k-th, in chunks whose maxima tie too
+        ties = mx.floor(logits * 2)
+        picked = np.take_along_axis(np.array(ties), np.array(top_candidates(ties, k)), axis=-1)
+        best = -np.sort(-np.array(ties), axis=-1)[..., :k]
+        assert np.array_equal(np.sort(picked, axis=-1), np.sort(best, axis=-1))
+
+
 # ---- block verification: exact over small trees of conditionals ------------------------------
 
 

@@ -657,11 +657,15 @@ def top_candidates(logits: mx.array, k: int, two_stage: bool | None = None) -> m
     `two_stage` (default: on a GPU, over a vocabulary above TWO_STAGE_VOCAB): each chunk of
     `chunk_length` logits its own top k, then the top k of those. It is exact (a row's top k
     are each in their chunk's top k); on a GPU, where a partition of a 248K-long row sorts it,
-    sorting short rows is far cheaper. (On the CPU a partition is linear: one stage is faster
-    there.)"""
+    sorting short rows is far cheaper. By default on the CPU, where MLX's partition costs ~10
+    ns an element (0.5 ms for a block's 7 rows of 8,192), the rows are pruned first
+    (`_top_by_chunk_max`)."""
     V = logits.shape[-1]
     if two_stage is None:
         two_stage = mx.default_device() == mx.gpu and V > TWO_STAGE_VOCAB
+        size = _pruning_chunk(V, k)
+        if not two_stage and size and mx.default_device() == mx.cpu:
+            return _top_by_chunk_max(logits, k, size)
     if not two_stage or k > CHUNK:
         return mx.argpartition(-logits, k - 1, axis=-1)[..., :k]
     size = chunk_length(V)
@@ -675,6 +679,31 @@ def top_candidates(logits: mx.array, k: int, two_stage: bool | None = None) -> m
     index = (local + mx.arange(chunks)[:, None] * size).reshape(values.shape)
     best = mx.argpartition(-values, k - 1, axis=-1)[..., :k]
     return mx.take_along_axis(index, best, axis=-1)
+
+
+def _pruning_chunk(vocab: int, k: int) -> int | None:
+    """`_top_by_chunk_max`'s chunk for a top k over `vocab`, or None where pruning would not
+    pay (too few chunks) or the chunks would not divide the row. 32 for a greedy top 16, 16
+    for sampling's 128: on this project's CPU 0.10 against 0.49 ms for 7 rows of 8,192 and a
+    top 16, 0.29 against 2.2 ms for 28 rows; 0.19 against 0.40 ms for 7 rows and a top 128
+    (a timing script)."""
+    size = 32 if k <= 32 else 16
+    return size if vocab % size == 0 and vocab // size >= 4 * k else None
+
+
+def _top_by_chunk_max(logits: mx.array, k: int, size: int) -> mx.array:
+    """The top k of each row after pruning it to the k chunks of `size` logits with the
+    largest maxima: a row's top k all lie in those chunks (the k-th largest chunk maximum is
+    at most the k-th largest logit, since each of those chunks holds a logit at least that
+    large; a chunk left out has a smaller maximum, or an equal one, and then a logit it holds
+    ties the k-th). So one partition runs over k * size logits, not the whole row: the same
+    set, up to which of tied logits it holds."""
+    lead, V = logits.shape[:-1], logits.shape[-1]
+    split = logits.reshape(*lead, V // size, size)
+    chunks = mx.argpartition(-split.max(axis=-1), k - 1, axis=-1)[..., :k]  # [..., k]
+    kept = mx.take_along_axis(split, chunks[..., None], axis=-2).reshape(*lead, k * size)
+    local = mx.argpartition(-kept, k - 1, axis=-1)[..., :k]
+    return mx.take_along_axis(chunks, local // size, axis=-1) * size + local % size
 
 
 class CandidateSelector(nn.Module):
