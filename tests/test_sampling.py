@@ -272,7 +272,9 @@ def test_cpu_pruned_top_candidates_are_the_top_k(vocab, k):
     from sanctum.engine.drafter import _pruning_chunk, top_candidates
 
     assert (_pruning_chunk(vocab, k) is None) == (vocab == 1000)
-    with mx.stream(mx.cpu):
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)  # the device top_candidates decides by
+    try:
         logits = mx.random.normal((2, 7, vocab), key=mx.random.key(vocab + k))
         got = np.sort(np.array(top_candidates(logits, k)), axis=-1)
         want = np.sort(np.argsort(-np.array(logits), axis=-1)[..., :k], axis=-1)
@@ -282,6 +284,8 @@ def test_cpu_pruned_top_candidates_are_the_top_k(vocab, k):
         picked = np.take_along_axis(np.array(ties), np.array(top_candidates(ties, k)), axis=-1)
         best = -np.sort(-np.array(ties), axis=-1)[..., :k]
         assert np.array_equal(np.sort(picked, axis=-1), np.sort(best, axis=-1))
+    finally:
+        mx.set_default_device(device)
 
 
 # ---- block verification: exact over small trees of conditionals ------------------------------
