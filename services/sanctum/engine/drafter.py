@@ -735,6 +735,18 @@ class CandidateSelector(nn.Module):
         return cand_logits[..., None, :] + context @ succ.swapaxes(-1, -2)
 
 
+def _walk_rows(first: mx.array, after: mx.array, rows: int, choose) -> mx.array:
+    """One block's picks, rows left to right ([rows]): row 0 chooses among `first` [k], row
+    r > 0 among `after[r - 1]` [k prev, k] given row r - 1's pick; `choose(scores, r)` picks
+    (an argmax, or a draw)."""
+    picks, scores = [], first
+    for r in range(rows):
+        if r > 0:
+            scores = after[r - 1][picks[-1]]  # [k]: given the previous row's pick
+        picks.append(choose(scores, r))
+    return mx.stack(picks)
+
+
 class DraftHead(nn.Module):
     """Turns the body's hidden states into draft tokens (and their draft distribution q)."""
 
@@ -784,16 +796,10 @@ class DraftHead(nn.Module):
             hidden[None], logits[None], anchors, self.cfg.selector_top_k
         )
         cand, first, after = cand[0], first[0], after[0]
-        k = cand.shape[-1]
-        picks, scores = [], first
-        for r in range(R):
-            if r > 0:
-                scores = after[r - 1][picks[-1]]  # [k]: given the previous row's pick
-            picks.append(mx.argmax(scores))
-        idx = mx.stack(picks)[:, None]  # [R, 1]
+        idx = _walk_rows(first, after, R, lambda scores, r: mx.argmax(scores))[:, None]
         tokens = mx.take_along_axis(cand, idx, axis=-1)[:, 0]
         # q one-hot on each pick
-        return tokens, cand, (mx.arange(k)[None] == idx).astype(mx.float32)
+        return tokens, cand, (mx.arange(cand.shape[-1])[None] == idx).astype(mx.float32)
 
     def _select_sampled(self, hidden, logits, anchors, temperature, keys):
         """`select` at `temperature` > 0 ([] float32) with one key a row (`keys` [R, 2])."""
@@ -801,14 +807,14 @@ class DraftHead(nn.Module):
             hidden[None], logits[None], anchors, SAMPLING_CANDIDATES
         )
         cand, first, after = cand[0], first[0], after[0]
-        picks, probs, scores = [], [], first
-        for r in range(hidden.shape[0]):
-            if r > 0:
-                scores = after[r - 1][picks[-1]]  # [k]: given the previous row's pick
+        probs = []
+
+        def draw(scores, r):
             probs.append(mx.softmax(scores / temperature))
-            picks.append(mx.random.categorical(mx.log(probs[-1] + 1e-30), key=keys[r]))
-        tokens = mx.take_along_axis(cand, mx.stack(picks)[:, None], axis=-1)[:, 0]
-        return tokens, cand, mx.stack(probs)
+            return mx.random.categorical(mx.log(probs[-1] + 1e-30), key=keys[r])
+
+        idx = _walk_rows(first, after, hidden.shape[0], draw)[:, None]
+        return mx.take_along_axis(cand, idx, axis=-1)[:, 0], cand, mx.stack(probs)
 
     def select_greedy(self, hidden: mx.array, logits: mx.array, anchors: mx.array) -> mx.array:
         """`select` at temperature 0 for N blocks at once (a shared round, or one block):
