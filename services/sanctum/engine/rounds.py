@@ -123,6 +123,7 @@ class BatchDecoder(Decoder):
         try:
             for (i, seq, drafts, q, k_acc), block, out in zip(drafted, blocks, outs):
                 stats = RoundStats(block.shape[0], 0, 0, draft_s, verify_s)
+                stats.looked_up = seq.looked_up
                 steps[i] = self._conclude(seq, block, drafts, q, out, k_acc, stats)
             deferred = self._deferred
         finally:
@@ -150,7 +151,7 @@ class BatchDecoder(Decoder):
         are stacked), each sequence collecting its part next round as a prefetch of its own."""
         groups: dict[int, list] = {}
         for seq, start in asked:
-            if seq.finished is None and seq.prefetch is None:
+            if seq.finished is None and seq.prefetch is None and self._lookup(seq) is None:
                 groups.setdefault(self.width(seq), []).append((seq, start))
         for width, group in groups.items():
             if len(group) == 1:
@@ -177,7 +178,8 @@ class BatchDecoder(Decoder):
 
     def _draft_all(self, seqs: list[Sequence], keys: list[mx.array]) -> list:
         """(drafts, q) of each sequence, or None where it cannot draft now: one drafter body
-        forward and one head matmul for all when the peer drafts batches (in this process)."""
+        forward and one head matmul for all when the peer drafts batches (in this process),
+        but for the sequences whose block is read from their own tokens (`Decoder._lookup`)."""
         draft_batch = getattr(self.peer, "draft_batch", None)
         if draft_batch is None or self.pipelined:
             out = []
@@ -188,6 +190,24 @@ class BatchDecoder(Decoder):
                     seq.draft_open = False
                     out.append(None)
             return out
+        out: list = [None] * len(seqs)
+        asked = []  # the sequences the drafter drafts for: those whose block is not looked up
+        for n, seq in enumerate(seqs):
+            looked_up = self._lookup(seq)
+            seq.looked_up = looked_up is not None
+            if looked_up is None:
+                asked.append(n)
+            else:
+                out[n] = (mx.array(looked_up), None)
+        if asked:
+            drafted = self._draft_batch([seqs[n] for n in asked], [keys[n] for n in asked])
+            for n, proposal in zip(asked, drafted):
+                out[n] = proposal
+        return out
+
+    def _draft_batch(self, seqs: list[Sequence], keys: list[mx.array]) -> list:
+        """`_draft_all` through the peer's `draft_batch`: one body forward for all `seqs`."""
+        draft_batch = self.peer.draft_batch
         try:
             for seq in seqs:
                 self._open_draft(seq)

@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from . import cuda
 from .drafter import Drafter, DraftHead
+from .lookup import MIN_MATCH, TokenIndex
 from .peer import MAX_PENDING_TAP_ROWS, DraftPeer, DraftUnavailable, LocalDraftPeer
 from .sampling import (
     ACCEPT_RULES,
@@ -58,6 +59,7 @@ class RoundStats:
     rollback_s: float = 0.0
     other_s: float = 0.0
     gated: bool = False  # a plain step the speculation gate took instead of a round
+    looked_up: bool = False  # the block's drafts were read from the sequence (engine/lookup.py)
 
     def line(self, completion_tokens: int) -> str:
         return (
@@ -115,6 +117,9 @@ class Sequence:
     gate_rounds: int = 0
     plain_left: int = 0
     gate_trips: int = 0
+    # its tokens for the lookup of repeated text, and whether this round's drafts came from it
+    lookup: TokenIndex = field(default_factory=TokenIndex)
+    looked_up: bool = False
 
     @property
     def pending_taps(self) -> list[mx.array]:
@@ -192,6 +197,10 @@ class Decoder:
         # host reads it, so that a GPU drafts while the host builds the next verify (and the
         # draft's host time hides behind the verify's device time); DRAFT_AHEAD says where
         self.draft_ahead = draft_ahead_default(target, self.peer)
+        # greedy rounds whose last `lookup_min` committed tokens repeat an earlier stretch of
+        # the sequence propose what followed it there instead of drafting (engine/lookup.py;
+        # SANCTUM_LOOKUP_MIN); 0: off
+        self.lookup_min = lookup_min_default()
         if self.cfg is not None:
             self.mask_embed = target.embed_tokens(mx.array([self.cfg.mask_token_id]))  # [1, H]
 
@@ -429,6 +438,8 @@ class Decoder:
         next round; the caller goes on (rollback, streaming) while the drafter computes."""
         if not self.pipelined or seq.finished is not None or seq.prefetch is not None:
             return
+        if self._lookup(seq) is not None:  # the next block is read from the sequence
+            return
         try:
             self._open_draft(seq)
             embeds = self._block_embeds(seq.anchor, self.width(seq))
@@ -462,6 +473,11 @@ class Decoder:
         # a block drafted ahead, if it is still for this position (a shared round since, in
         # rounds.py, drafted its own)
         block, seq.next_block = seq.next_block, None
+        looked_up = self._lookup(seq) if params.greedy else None
+        seq.looked_up = looked_up is not None
+        if looked_up is not None and seq.prefetch is None:
+            # the drafter is not asked: the context rows it lacks go with its next block
+            return mx.array(looked_up), None
         if block is not None and block.start == cache_offset(seq.cache):
             return block.drafts, None
         if self.profile:
@@ -481,7 +497,18 @@ class Decoder:
         self._draft_piece("head", logits)
         drafts, q = self._propose(seq, hidden, logits, params, key)
         self._draft_piece("select", drafts)
+        if looked_up is not None:  # prefetched before the lookup was asked (cannot happen)
+            return mx.array(looked_up), None
         return drafts, q
+
+    def _lookup(self, seq: Sequence):
+        """The next block's drafts read from the sequence itself ([width - 1] int32, numpy),
+        or None: greedy sequences whose last `lookup_min` tokens repeat (engine/lookup.py)."""
+        if not self.lookup_min or not seq.sampling.greedy or seq.anchor is None:
+            return None
+        return seq.lookup.continuation(
+            seq.cached_tokens, seq.anchor, self.width(seq) - 1, self.lookup_min
+        )
 
     def _draft_piece(self, name: str, *outputs) -> None:
         """With `profile`: evaluate `outputs` and add the time since the last piece to
@@ -537,6 +564,7 @@ class Decoder:
         acceptance = self._draft_next(seq, drafts, verified) if self._drafts_ahead(seq) else None
         t3 = time.perf_counter()
         stats = RoundStats(self.width(seq), 0, 0, t1 - t0 + t3 - t2, t2 - t1)
+        stats.looked_up = seq.looked_up
         return self._settle(seq, block, drafts, q, verified, k_accept, stats, acceptance)
 
     def _drafts_ahead(self, seq: Sequence) -> bool:
@@ -637,6 +665,15 @@ class Decoder:
 DRAFT_AHEAD = os.environ.get("SANCTUM_DRAFT_AHEAD", "auto")
 
 
+def lookup_min_default(env=os.environ) -> int:
+    """Decoder.lookup_min by default: SANCTUM_LOOKUP_MIN, else engine/lookup.py's MIN_MATCH."""
+    raw = env.get("SANCTUM_LOOKUP_MIN") or str(MIN_MATCH)
+    value = int(raw) if raw.isdigit() else -1
+    if value < 0:
+        raise ValueError(f"SANCTUM_LOOKUP_MIN must be an integer >= 0 (0: off), got {raw!r}")
+    return value
+
+
 def draft_ahead_default(target: Target, peer: DraftPeer | None) -> bool:
     if DRAFT_AHEAD == "off" or not hasattr(peer, "draft_ahead"):
         return False
@@ -719,10 +756,12 @@ def generate(
     profile: bool = False,
     accept_rule: str = "block",
     min_tau: float = 0.0,
+    lookup_min: int | None = None,
 ) -> Iterator[Step]:
     """Decode `prompt_ids` in this process (speculatively when a drafter is given); `profile`:
     sync each phase of a round, for an exact round split; `accept_rule`: how sampled drafts
-    are accepted (sampling.ACCEPT_RULES); `min_tau`: the speculation gate (0: off)."""
+    are accepted (sampling.ACCEPT_RULES); `min_tau`: the speculation gate (0: off);
+    `lookup_min`: drafts read from repeated text (`Decoder.lookup_min`; None: its default)."""
     if not prompt_ids:
         raise ValueError("prompt is empty")
     if max_tokens <= 0:
@@ -734,6 +773,8 @@ def generate(
     decoder.profile = profile
     decoder.accept_rule = accept_rule
     decoder.min_tau = decoder.min_tau_sampled = min_tau
+    if lookup_min is not None:
+        decoder.lookup_min = lookup_min
     eos = set(target.tokenizer.eos_token_ids) if eos_ids is None else eos_ids
     seq = decoder.new_sequence("local", kv_mode, sampling, max_tokens, eos, stop_check)
     key = make_key(sampling.seed)

@@ -1,0 +1,161 @@
+"""Drafts read from the sequence itself (engine/lookup.py): the search against a brute-force one,
+and the decoder's rounds with it: the continuation is what the target verifies, the output is
+plain decoding's, and a sequence proposes the same blocks alone and in a shared round.
+
+The tiny random pairs' text (512 tokens, no loops) rarely repeats even two tokens, so the
+decoding tests lower `lookup_min` to 1: a round looks its block up wherever its anchor occurred
+before. The default's effect is measured by the benches (README, "Repeated text")."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from sanctum.engine.lookup import MAX_MATCH, TokenIndex
+from sanctum.engine.rounds import BatchDecoder
+from sanctum.engine.speculative import LocalDraftPeer, generate, lookup_min_default, make_key
+from test_batch import PROMPTS
+from test_engine import load_pair, tokens_of
+
+
+def brute_force(history: list[int], count: int, min_match: int):
+    """The continuation by definition: among earlier positions j of the last token with `count`
+    tokens after them, the longest match of the tokens ending there with the sequence's end
+    (capped at MAX_MATCH), the latest of those; None below `min_match`."""
+    n, best, best_j = len(history), 0, None
+    for j in range(n - count):
+        if history[j] != history[-1]:
+            continue
+        m = 0
+        while m < MAX_MATCH and j - m >= 0 and history[j - m] == history[n - 1 - m]:
+            m += 1
+        if m >= best:
+            best, best_j = m, j
+    if best_j is None or best < min_match:
+        return None
+    return history[best_j + 1 : best_j + 1 + count]
+
+
+def test_continuation_equals_a_brute_force_search_as_the_sequence_grows():
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        vocab = int(rng.integers(2, 6))  # few symbols: repeats of every length
+        index, tokens = TokenIndex(), []
+        min_match, count = int(rng.integers(1, 10)), int(rng.integers(1, 8))
+        for _ in range(40):  # rounds: a few tokens committed each, then the next lookup
+            tokens.extend(int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 9))))
+            anchor = int(rng.integers(0, vocab))
+            got = index.continuation(tokens, anchor, count, min_match)
+            want = brute_force(tokens + [anchor], count, min_match)
+            assert (got is None) == (want is None), (trial, len(tokens))
+            if want is not None:
+                assert got.tolist() == want, (trial, len(tokens))
+    # periodic text (a loop) matches at every length: capped, the latest full continuation
+    tokens = [1, 2, 3] * 40
+    got = TokenIndex().continuation(tokens, 1, 7, 8)
+    assert got.tolist() == brute_force(tokens + [1], 7, 8) == [2, 3, 1, 2, 3, 1, 2]
+
+
+def test_the_longest_repeat_wins_then_the_latest():
+    seq = [9, 5, 6, 7, 40, 41, 8, 6, 7, 50, 51, 5, 6, 7, 60, 61, 0]
+    # "5 6 7" ends at 3 and at 13 (longest: 3 tokens), "6 7" alone at 8
+    got = TokenIndex().continuation(seq + [5, 6], 7, 2, 2)
+    assert got.tolist() == [60, 61]  # the latest of the two longest
+    seq = [1, 5, 6, 7, 40, 41, 2, 6, 7, 50, 51, 3, 5, 6]
+    assert TokenIndex().continuation(seq, 7, 2, 3).tolist() == [40, 41]  # longer (3) beats later
+    assert TokenIndex().continuation(seq, 7, 2, 4) is None
+
+
+def test_a_repeat_without_count_tokens_after_it_is_not_proposed():
+    seq = [4, 1, 2, 3, 4, 1, 2]
+    assert TokenIndex().continuation(seq, 3, 3, 3).tolist() == [4, 1, 2]
+    assert TokenIndex().continuation(seq, 3, 5, 3) is None  # only 4 tokens follow the repeat
+
+
+def test_a_new_token_list_is_indexed_afresh():
+    index = TokenIndex()
+    first = [1, 2, 3, 4, 1, 2]
+    assert index.continuation(first, 3, 1, 3).tolist() == [4]
+    resumed = [7, 2, 3, 9, 7, 2]  # a sequence resumed from the cache gets a new list
+    assert index.continuation(resumed, 3, 1, 3).tolist() == [9]
+    grown = list(range(3000)) + [5, 6]  # past the buffer's first size
+    assert index.continuation(grown, 7, 3, 3).tolist() == [8, 9, 10]
+
+
+def test_the_setting_is_checked():
+    assert lookup_min_default({}) == 8
+    assert lookup_min_default({"SANCTUM_LOOKUP_MIN": "0"}) == 0
+    for bad in ("-1", "eight", "2.5"):
+        with pytest.raises(ValueError, match="SANCTUM_LOOKUP_MIN"):
+            lookup_min_default({"SANCTUM_LOOKUP_MIN": bad})
+    from sanctum.settings import serve_settings
+
+    assert serve_settings(env={"SANCTUM_LOOKUP_MIN": "0"}).lookup_min == 0
+    with pytest.raises(ValueError, match="SANCTUM_LOOKUP_MIN"):
+        serve_settings(env={"SANCTUM_LOOKUP_MIN": "-3"})
+
+
+@pytest.mark.parametrize("drafter_kind", ["dflash", "dflash2"])
+def test_looked_up_rounds_verify_the_continuation_and_decode_as_plain(
+    make_pair, monkeypatch, drafter_kind
+):
+    target, drafter = load_pair(make_pair, "hybrid", drafter_kind)
+    blocks = []
+    verify = target.verify
+    monkeypatch.setattr(target, "verify", lambda block, *a, **k: (blocks.append(block.tolist()),
+                                                                  verify(block, *a, **k))[1])  # fmt: skip
+    prompt = PROMPTS[2]
+    ids = target.tokenizer.encode(prompt)
+    plain = tokens_of(generate(target, ids, max_tokens=64, eos_ids=set()))
+    for lookup_min in (0, 1):
+        blocks.clear()
+        steps = list(generate(target, ids, drafter=drafter, max_tokens=64, eos_ids=set(),
+                              lookup_min=lookup_min))  # fmt: skip
+        assert tokens_of(steps) == plain, lookup_min
+        rounds = [s for s in steps if s.stats is not None]
+        assert len(rounds) == len(blocks)
+        looked = [r.stats.looked_up for r in rounds]
+        assert any(looked) == bool(lookup_min), looked
+        history = list(ids) + tokens_of(steps[:1])
+        for step, block in zip(rounds, blocks):
+            if step.stats.looked_up:  # the block is the anchor and what followed its repeat
+                assert block[1:] == brute_force(history, len(block) - 1, lookup_min)
+            else:
+                assert brute_force(history, len(block) - 1, lookup_min or 10**9) is None
+            history += step.tokens
+
+
+def test_lookup_in_a_shared_round_proposes_and_commits_as_alone(make_pair):
+    target, drafter = load_pair(make_pair, "hybrid", "dflash2")
+    lengths = [40, 24, 33]
+    alone = []
+    for prompt, n in zip(PROMPTS, lengths):
+        steps = list(generate(target, target.tokenizer.encode(prompt), drafter=drafter,
+                              max_tokens=n, eos_ids=set(), lookup_min=1))  # fmt: skip
+        alone.append((tokens_of(steps), [s.stats.looked_up for s in steps[1:]]))
+    decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
+    decoder.lookup_min = 1
+    seqs, keys, got = [], [], []
+    for i, (prompt, n) in enumerate(zip(PROMPTS, lengths)):
+        seq = decoder.new_sequence(f"s{i}", max_tokens=n)
+        logits = decoder.prefill(seq, target.tokenizer.encode(prompt))
+        key, sub = mx.random.split(make_key(None))
+        seqs.append(seq)
+        keys.append(key)
+        got.append((list(decoder.start(seq, logits, sub).tokens), []))
+    live = list(range(len(seqs)))
+    shared = 0
+    while live:
+        subs = []
+        for i in live:
+            keys[i], sub = mx.random.split(keys[i])
+            subs.append(sub)
+        steps = decoder.step_batch([seqs[i] for i in live], subs)
+        shared += len(live) > 1 and sum(s.stats.looked_up for s in steps) not in (0, len(live))
+        for i, step in zip(live, steps):
+            got[i][0].extend(step.tokens)
+            got[i][1].append(step.stats.looked_up)
+        live = [i for i in live if seqs[i].finished is None]
+    for i in range(len(seqs)):
+        assert got[i] == alone[i], f"sequence {i}"
+    assert shared  # rounds where some sequences looked up their block while others drafted
