@@ -338,6 +338,37 @@ def test_drafter_transports_give_the_engine_output(cluster, engine, pair, transp
 
 
 @pytest.mark.slow
+def test_looked_up_blocks_skip_the_drafter_actor_and_decode_as_inline(cluster, engine, pair):
+    """Blocks read from the sequence (engine/lookup.py; `lookup_min` 1, so that the random pair
+    finds repeats) with the pipelined drafter actor: a round whose next block is looked up asks
+    the actor for nothing, the context rows it lacks go with the next draft, and the request
+    proposes, accepts and emits what the inline roles do."""
+    from sanctum.cluster.drafter import RemoteDraftPeer
+    from sanctum.engine.drafter import load_drafter
+    from sanctum.engine.speculative import LocalDraftPeer
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.serving.verifier import Verifier
+
+    backend, _ = cluster
+    target, drafter, reference = engine
+    head = load_drafter(pair[1], target, parts="head")
+    peer = RemoteDraftPeer(backend.drafter, ray.get_runtime_context().get_node_id(), "shm")
+    remote = Verifier(target, head, peer)
+    inline = Verifier(target, drafter, LocalDraftPeer(drafter))
+    req = GenerateRequest(prompt=ALL_PROMPTS[2], max_tokens=64, use_cache=False)
+    got = {}
+    for name, verifier in (("remote", remote), ("inline", inline)):
+        verifier.decoder.lookup_min = 1
+        chunks = list(verifier.generate(req))
+        got[name] = [(c.token_ids, c.accepted) for c in chunks], chunks[-1].usage
+    (chunks, usage), (want, inline_usage) = got["remote"], got["inline"]
+    assert chunks == want
+    assert [t for c, _ in chunks for t in c] == reference(ALL_PROMPTS[2], 64)
+    assert usage.lookup_rounds == inline_usage.lookup_rounds > 0
+    assert peer.summary()["draft_calls"] == usage.rounds - usage.lookup_rounds
+
+
+@pytest.mark.slow
 def test_events_over_the_socket_and_the_ray_stream_agree(cluster, engine):
     """A front end on the verifier's host takes events over the socket; one that is told the
     object store (as across hosts) over a Ray stream per request: same chunks, same errors."""

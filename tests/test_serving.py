@@ -219,6 +219,34 @@ def test_no_request_stalls_the_others(pair, engine):
         backend.close()
 
 
+def test_served_requests_count_their_looked_up_rounds(pair, engine):
+    """`SANCTUM_LOOKUP_MIN` reaches the serving decoder (1 here, so that the random pair finds
+    repeats; 0 would turn it off), and the rounds whose drafts were read from the request's own
+    tokens show in its usage (also over the wire), in Stats and in /metrics."""
+    from sanctum.serving.inline import InlineBackend
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.settings import serve_settings
+    from sanctum.wire.convert import usage_from_proto, usage_to_proto
+
+    _, _, reference = engine
+    env = {**NO_GATE, "SANCTUM_LOOKUP_MIN": "1"}
+    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", env=env))
+    try:
+        backend.ready(120)
+        assert backend.verifier.decoder.lookup_min == 1
+        req = GenerateRequest(prompt=ALL_PROMPTS[2], max_tokens=64, use_cache=False)
+        chunks = list(backend.submit(req))
+        assert [t for c in chunks for t in c.token_ids] == reference(ALL_PROMPTS[2], 64)
+        usage = chunks[-1].usage
+        assert 0 < usage.lookup_rounds < usage.rounds
+        assert usage_from_proto(usage_to_proto(usage)).lookup_rounds == usage.lookup_rounds
+        assert backend.stats().lookup_rounds == usage.lookup_rounds
+        text = backend.metrics.render().decode()
+        assert f"sanctum_lookup_rounds_total {float(usage.lookup_rounds)}" in text
+    finally:
+        backend.close()
+
+
 def test_served_requests_are_gated_by_a_threshold_measured_at_load(pair, engine):
     """By default (`SANCTUM_MIN_TAU=auto`) the serving decoder measures what a round costs in
     plain steps, greedy and sampled, and gates on it: a greedy request of the tiny pair (which

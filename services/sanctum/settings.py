@@ -275,6 +275,9 @@ class ServeSettings:
     # than this on average takes plain steps for a while; "auto": what a round costs in plain
     # steps, measured at load (rounded down to a quarter); 0: off
     min_tau: str = var("SANCTUM_MIN_TAU", "auto")
+    # greedy rounds whose last tokens repeat an earlier stretch this long propose what followed
+    # it (engine Decoder.lookup_min, engine/lookup.py); 0: off; None: the engine's default
+    lookup_min: int | None = var("SANCTUM_LOOKUP_MIN", None, int)
     max_tokens_limit: int = 4096
     # prompt tokens prefilled before the other requests get their next round, fewer if they
     # would take longer than prefill_slice_ms (serving/scheduler.py)
@@ -351,6 +354,8 @@ def serve_settings(
             ok = False
         if not ok:
             raise ValueError(f"SANCTUM_MIN_TAU must be auto or a number >= 0, got {s.min_tau!r}")
+    if s.lookup_min is not None and s.lookup_min < 0:
+        raise ValueError(f"SANCTUM_LOOKUP_MIN must be >= 0 (0: off), got {s.lookup_min}")
     if s.accept_rule not in ACCEPT_RULES:
         raise ValueError(
             f"SANCTUM_ACCEPT_RULE must be one of {', '.join(ACCEPT_RULES)}, got {s.accept_rule!r}"

@@ -121,6 +121,7 @@ def usage_object(u: Usage) -> dict:
             "drafted_tokens": u.drafted_tokens,
             "accepted_tokens": u.accepted_tokens,
             "rounds": u.rounds,
+            "lookup_rounds": u.lookup_rounds,
             "requested_lcp": u.requested_lcp,
             "resumed_at": u.resumed_at,
             "cache_hit_ratio": u.cache_hit_ratio,

@@ -91,6 +91,8 @@ def multiturn(args) -> list[dict]:
             "prefix_cached": warm.cached_tokens,
             "cache_hit_ratio": warm.cache_hit_ratio,
             "tau": round(warm.tau, 3),
+            "lookup_rounds": warm.lookup_rounds,  # of `rounds`: drafts read from the chat itself
+            "rounds": warm.rounds,
             "ttft_warm_s": warm.ttft_s,
             "ttft_cold_s": cold.ttft_s,
             "kv": warm.kv,

@@ -102,6 +102,8 @@ def make_verifier(
     d = verifier.decoder
     d.adaptive = bool(settings.adaptive_width)
     d.accept_rule = settings.accept_rule
+    if settings.lookup_min is not None:
+        d.lookup_min = settings.lookup_min
     d.min_tau, d.min_tau_sampled = (gate_threshold(settings.min_tau, d, s) for s in GATE_PROBES)
     return verifier
 

@@ -201,6 +201,10 @@ class _BackendState:
                 "Plain steps the speculation gate took instead of speculative rounds",
                 s.gated_steps,
             ),
+            "sanctum_lookup_rounds": (
+                "Speculative rounds whose drafts repeated an earlier stretch of their sequence",
+                s.lookup_rounds,
+            ),
             "sanctum_cache_lookups": ("Prompt-cache lookups", s.cache.lookups),
             "sanctum_cache_hits": ("Prompt-cache lookups that found a prefix", s.cache.hits),
             "sanctum_cache_evictions": ("Prompt-cache entries evicted", s.cache.evictions),

@@ -57,6 +57,7 @@ class Usage:
     accepted_tokens: int = 0
     rounds: int = 0
     tau: float = 0.0  # mean acceptance length over speculative rounds
+    lookup_rounds: int = 0  # of those, rounds whose drafts were read from the sequence itself
     kv: str = "fp16"
     mode: str = "sync"  # "sync" | "streaming"
     ttft_s: float = 0.0

@@ -84,6 +84,8 @@ class Stats:
     min_tau: float = 0.0
     min_tau_sampled: float = 0.0
     gated_steps: int = 0
+    # rounds whose drafts repeated an earlier stretch of their sequence (engine/lookup.py)
+    lookup_rounds: int = 0
     cache: CacheStats = field(default_factory=CacheStats)
 
 
@@ -126,6 +128,7 @@ def serving_stats(mode: str, settings: ServeSettings, verifier, sched: dict, pee
         min_tau=verifier.decoder.min_tau,
         min_tau_sampled=verifier.decoder.min_tau_sampled,
         gated_steps=m.gated_steps,
+        lookup_rounds=m.lookup_rounds,
     )
 
 

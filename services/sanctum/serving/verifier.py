@@ -130,6 +130,7 @@ class Metrics:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     gated_steps: int = 0  # plain steps the speculation gate took instead of rounds
+    lookup_rounds: int = 0  # rounds whose drafts were read from the sequence (engine/lookup.py)
     round_s: dict = field(
         default_factory=lambda: {"draft": 0.0, "verify": 0.0, "rollback": 0.0, "other": 0.0}
     )  # seconds spent in each phase of a round, summed over rounds
@@ -137,6 +138,7 @@ class Metrics:
     def add_round(self, s) -> None:
         self.rounds += 1
         self.gated_steps += s.gated
+        self.lookup_rounds += s.looked_up
         for phase in self.round_s:
             self.round_s[phase] += getattr(s, f"{phase}_s")
 
@@ -320,6 +322,7 @@ class Verifier:
         if s.bs > 1:
             act.usage.drafted_tokens += s.bs - 1
             act.usage.accepted_tokens += s.accepted
+            act.usage.lookup_rounds += s.looked_up
             act.spec_rounds += 1
         log.debug(
             "%s completion_tokens=%d", s.line(len(act.seq.completion)), len(act.seq.completion)

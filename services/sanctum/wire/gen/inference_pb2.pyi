@@ -65,7 +65,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., kv_mode: _Optional[_Union[KvMode, str]] = ..., use_cache: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "cache_hit_ratio", "requested_lcp", "resumed_at", "completion_tokens", "drafted_tokens", "accepted_tokens", "rounds", "tau", "kv", "mode", "ttft_s", "elapsed_s")
+    __slots__ = ("prompt_tokens", "cached_tokens", "cache_hit_ratio", "requested_lcp", "resumed_at", "completion_tokens", "drafted_tokens", "accepted_tokens", "rounds", "tau", "kv", "mode", "ttft_s", "elapsed_s", "lookup_rounds")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_RATIO_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class Usage(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     cache_hit_ratio: float
@@ -94,7 +95,8 @@ class Usage(_message.Message):
     mode: str
     ttft_s: float
     elapsed_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cache_hit_ratio: _Optional[float] = ..., requested_lcp: _Optional[int] = ..., resumed_at: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., tau: _Optional[float] = ..., kv: _Optional[str] = ..., mode: _Optional[str] = ..., ttft_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    lookup_rounds: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cache_hit_ratio: _Optional[float] = ..., requested_lcp: _Optional[int] = ..., resumed_at: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., tau: _Optional[float] = ..., kv: _Optional[str] = ..., mode: _Optional[str] = ..., ttft_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., lookup_rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("index", "text", "token_ids", "drafted", "accepted", "finish_reason", "usage")
@@ -175,7 +177,7 @@ class CacheStats(_message.Message):
     def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., available: _Optional[bool] = ..., directory: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., taps_bytes: _Optional[int] = ..., rung_bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., superseded: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("model", "drafter", "block_size", "kv", "mode", "active", "waiting", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "rounds", "drafted_tokens", "accepted_tokens", "cancelled", "rejected", "drafter_available", "transport", "cache", "draft_calls", "transport_ms_per_round", "transport_bytes_per_round", "drafter_compute_ms_per_round", "round_draft_ms", "round_verify_ms", "round_rollback_ms", "round_other_ms", "drafter_wait_ms_per_round", "overlapped_draft_calls", "min_tau", "min_tau_sampled", "gated_steps")
+    __slots__ = ("model", "drafter", "block_size", "kv", "mode", "active", "waiting", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "rounds", "drafted_tokens", "accepted_tokens", "cancelled", "rejected", "drafter_available", "transport", "cache", "draft_calls", "transport_ms_per_round", "transport_bytes_per_round", "drafter_compute_ms_per_round", "round_draft_ms", "round_verify_ms", "round_rollback_ms", "round_other_ms", "drafter_wait_ms_per_round", "overlapped_draft_calls", "min_tau", "min_tau_sampled", "gated_steps", "lookup_rounds")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +210,7 @@ class StatsResponse(_message.Message):
     MIN_TAU_FIELD_NUMBER: _ClassVar[int]
     MIN_TAU_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     GATED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     drafter: str
     block_size: int
@@ -240,7 +243,8 @@ class StatsResponse(_message.Message):
     min_tau: float
     min_tau_sampled: float
     gated_steps: int
-    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ..., kv: _Optional[str] = ..., mode: _Optional[str] = ..., active: _Optional[int] = ..., waiting: _Optional[int] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., cancelled: _Optional[int] = ..., rejected: _Optional[int] = ..., drafter_available: _Optional[bool] = ..., transport: _Optional[str] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., draft_calls: _Optional[int] = ..., transport_ms_per_round: _Optional[float] = ..., transport_bytes_per_round: _Optional[float] = ..., drafter_compute_ms_per_round: _Optional[float] = ..., round_draft_ms: _Optional[float] = ..., round_verify_ms: _Optional[float] = ..., round_rollback_ms: _Optional[float] = ..., round_other_ms: _Optional[float] = ..., drafter_wait_ms_per_round: _Optional[float] = ..., overlapped_draft_calls: _Optional[int] = ..., min_tau: _Optional[float] = ..., min_tau_sampled: _Optional[float] = ..., gated_steps: _Optional[int] = ...) -> None: ...
+    lookup_rounds: int
+    def __init__(self, model: _Optional[str] = ..., drafter: _Optional[str] = ..., block_size: _Optional[int] = ..., kv: _Optional[str] = ..., mode: _Optional[str] = ..., active: _Optional[int] = ..., waiting: _Optional[int] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., cancelled: _Optional[int] = ..., rejected: _Optional[int] = ..., drafter_available: _Optional[bool] = ..., transport: _Optional[str] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., draft_calls: _Optional[int] = ..., transport_ms_per_round: _Optional[float] = ..., transport_bytes_per_round: _Optional[float] = ..., drafter_compute_ms_per_round: _Optional[float] = ..., round_draft_ms: _Optional[float] = ..., round_verify_ms: _Optional[float] = ..., round_rollback_ms: _Optional[float] = ..., round_other_ms: _Optional[float] = ..., drafter_wait_ms_per_round: _Optional[float] = ..., overlapped_draft_calls: _Optional[int] = ..., min_tau: _Optional[float] = ..., min_tau_sampled: _Optional[float] = ..., gated_steps: _Optional[int] = ..., lookup_rounds: _Optional[int] = ...) -> None: ...
 
 class ListCacheRequest(_message.Message):
     __slots__ = ("model_key",)
