@@ -282,3 +282,22 @@ def test_cache_files_are_private(tmp_path):
     os.chmod(directory, 0o755)
     assert len(PromptStore(1 << 30, directory)) == 1
     assert mode(directory) == 0o700 and all(mode(f) == 0o600 for f in directory.iterdir())
+
+
+def test_bench_multiturn_resumes_every_turn_at_its_lcp(make_pair):
+    """`sanctum bench multiturn` on the tiny pair: each turn resumes where the conversation's
+    cache leaves off, a warm reply equals the cold one (the bench asserts it), and each row
+    carries the turn's tau, looked-up rounds and decode rate."""
+    import argparse
+
+    from sanctum.bench.multiturn import multiturn
+
+    target_dir, drafter_dir = (str(p) for p in make_pair("hybrid", "dflash"))
+    args = argparse.Namespace(model=target_dir, drafter=drafter_dir, block_size=None, bits=None,
+                              kv_mode=None, turns=3, max_tokens=8, ladder=None, branch=False)  # fmt: skip
+    rows = multiturn(args)
+    assert [r["turn"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["resumed_at"] == r["requested_lcp"] and r["tau"] >= 1.0
+        assert 0 <= r["lookup_rounds"] <= r["rounds"] and r["decode_tok_s"] > 0
+    assert rows[-1]["requested_lcp"] > rows[0]["prompt_tokens"]

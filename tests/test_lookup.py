@@ -159,3 +159,88 @@ def test_lookup_in_a_shared_round_proposes_and_commits_as_alone(make_pair):
     for i in range(len(seqs)):
         assert got[i] == alone[i], f"sequence {i}"
     assert shared  # rounds where some sequences looked up their block while others drafted
+
+
+class OracleLookup(BatchDecoder):
+    """Looks each sequence's blocks up in its known greedy output (`references`), except at the
+    completion positions in `wrong`: so a looked-up block is accepted whole unless it covers a
+    wrong position, as on text the target copies, and looked-up blocks grow past the drafter's
+    width and fall back to it."""
+
+    def __init__(self, target, drafter, references: dict, wrong: dict):
+        super().__init__(target, drafter, LocalDraftPeer(drafter))
+        self.references, self.wrong = references, wrong
+        self.lookup_min = 1
+
+    def _continuation(self, seq, count):
+        ref, n = self.references[seq.seq_id], len(seq.completion)
+        out = list(ref[n : n + count])
+        for j in range(count):
+            if n + j in self.wrong.get(seq.seq_id, ()):
+                out[j] = (out[j] + 1) % self.target.vocab_size
+        return np.array(out, np.int32)
+
+
+def _open(decoder, target, seq_id, prompt, n, eos=()):
+    seq = decoder.new_sequence(seq_id, max_tokens=n, eos_ids=eos)
+    logits = decoder.prefill(seq, target.tokenizer.encode(prompt))
+    key, sub = mx.random.split(make_key(None))
+    return seq, key, list(decoder.start(seq, logits, sub).tokens)
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "next"])
+def test_looked_up_blocks_grow_while_accepted_whole_alone_and_shared(make_pair, kind):
+    target, drafter = load_pair(make_pair, kind, "dflash2")
+    plain = {
+        f"s{i}": tokens_of(
+            generate(target, target.tokenizer.encode(p), max_tokens=140, eos_ids=set())
+        )
+        for i, p in enumerate(PROMPTS[:3])
+    }
+    # s0 copies throughout; s1's copy breaks at 30 and 75; s2 stops on an EOS inside a wide
+    # looked-up block; s3 (no reference) drafts as usual beside them
+    eos_at = next(j for j in range(70, 120) if plain["s2"][j] not in plain["s2"][:j])
+    specs = [("s0", PROMPTS[0], 100, ()), ("s1", PROMPTS[1], 97, ()),
+             ("s2", PROMPTS[2], 130, (plain["s2"][eos_at],)), ("s3", PROMPTS[3], 40, ())]  # fmt: skip
+    wrong = {"s1": {30, 75}}
+
+    def decoder():
+        d = OracleLookup(target, drafter, plain, wrong)
+        d._continuation = lambda seq, count, base=d._continuation: (
+            base(seq, count) if seq.seq_id in plain else None
+        )
+        return d
+
+    alone = {}
+    for seq_id, prompt, n, eos in specs:
+        d = decoder()
+        seq, key, out = _open(d, target, seq_id, prompt, n, eos)
+        widths = []
+        while seq.finished is None:
+            key, sub = mx.random.split(key)
+            step = d.step(seq, sub)
+            out += step.tokens
+            widths.append((step.stats.bs, step.stats.looked_up))
+        alone[seq_id] = out, widths
+    assert alone["s0"][0] == plain["s0"][:100]
+    assert [w for w, _ in alone["s0"][1][:4]] == [8, 16, 32, 32]  # anchor + 7, 15, 31 copied
+    assert alone["s1"][0] == plain["s1"][:97]
+    assert alone["s2"][0] == plain["s2"][:eos_at]
+    assert 8 in [w for w, _ in alone["s1"][1][3:]]  # back to the drafter's width after a miss
+    assert not any(looked for _, looked in alone["s3"][1])
+
+    d = decoder()
+    opened = [_open(d, target, seq_id, prompt, n, eos) for seq_id, prompt, n, eos in specs]
+    seqs, keys = [s for s, _, _ in opened], [k for _, k, _ in opened]
+    got = {s.seq_id: (out, []) for s, _, out in opened}
+    live = list(range(len(seqs)))
+    while live:
+        subs = []
+        for i in live:
+            keys[i], sub = mx.random.split(keys[i])
+            subs.append(sub)
+        for i, step in zip(live, d.step_batch([seqs[i] for i in live], subs)):
+            got[seqs[i].seq_id][0].extend(step.tokens)
+            got[seqs[i].seq_id][1].append((step.stats.bs, step.stats.looked_up))
+        live = [i for i in live if seqs[i].finished is None]
+    assert got == alone

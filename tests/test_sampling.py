@@ -424,6 +424,7 @@ def test_bench_tau_compares_the_acceptance_rules_in_one_run(pair):
     for key in ("tau_t1_b4", "tau_t1_b4_token", "speculative_tok_s_t1_b4_token", "plain_tok_s_t1"):
         assert row[key] is not None and row[key] > 0, key
     assert row["sampled_min_tau"] >= 1.0
+    assert 0.0 <= row["lookup_share_b4"] <= 1.0
     with pytest.raises(ValueError, match="--accept-rules"):
         tau(argparse.Namespace(**{**vars(args), "accept_rules": "block,nope"}))
 

@@ -93,6 +93,8 @@ def multiturn(args) -> list[dict]:
             "tau": round(warm.tau, 3),
             "lookup_rounds": warm.lookup_rounds,  # of `rounds`: drafts read from the chat itself
             "rounds": warm.rounds,
+            # the reply after its first token, warm
+            "decode_tok_s": round((warm.completion_tokens - 1) / (warm.elapsed_s - warm.ttft_s), 1),
             "ttft_warm_s": warm.ttft_s,
             "ttft_cold_s": cold.ttft_s,
             "kv": warm.kv,

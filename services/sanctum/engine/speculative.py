@@ -77,6 +77,9 @@ class Step:
 
 GREEDY = SamplingParams()
 MIN_WIDTH = 2  # the smallest block adaptive width drafts (an anchor and one draft)
+# the widest looked-up block: a looked-up block accepted whole is followed by one twice as wide
+# (copied text goes on), up to this; any rejection goes back to the drafter's width
+LOOKUP_MAX_WIDTH = 32
 # The speculation gate (Decoder.min_tau): a sequence whose recent rounds commit fewer tokens than
 # a round costs in plain steps takes plain steps for a while, then tries rounds again. Lossless
 # either way (each step or round samples from the target's own conditionals), and decided by
@@ -117,9 +120,11 @@ class Sequence:
     gate_rounds: int = 0
     plain_left: int = 0
     gate_trips: int = 0
-    # its tokens for the lookup of repeated text, and whether this round's drafts came from it
+    # its tokens for the lookup of repeated text, whether this round's drafts came from it, and
+    # the rows of its next looked-up block (None: the drafter's width; doubled while accepted)
     lookup: TokenIndex = field(default_factory=TokenIndex)
     looked_up: bool = False
+    lookup_width: int | None = None
 
     @property
     def pending_taps(self) -> list[mx.array]:
@@ -502,13 +507,21 @@ class Decoder:
         return drafts, q
 
     def _lookup(self, seq: Sequence):
-        """The next block's drafts read from the sequence itself ([width - 1] int32, numpy),
-        or None: greedy sequences whose last `lookup_min` tokens repeat (engine/lookup.py)."""
+        """The next block's drafts read from the sequence itself (int32, numpy), or None:
+        greedy sequences whose last `lookup_min` tokens repeat (engine/lookup.py). As many as
+        the drafter's, or more after looked-up blocks accepted whole (`lookup_width`) while the
+        earlier text goes on that far."""
         if not self.lookup_min or not seq.sampling.greedy or seq.anchor is None:
             return None
-        return seq.lookup.continuation(
-            seq.cached_tokens, seq.anchor, self.width(seq) - 1, self.lookup_min
-        )
+        if seq.lookup_width is not None:
+            found = self._continuation(seq, seq.lookup_width - 1)
+            if found is not None:
+                return found
+            seq.lookup_width = None  # the repeat ends sooner: the drafter's width again
+        return self._continuation(seq, self.width(seq) - 1)
+
+    def _continuation(self, seq: Sequence, count: int):
+        return seq.lookup.continuation(seq.cached_tokens, seq.anchor, count, self.lookup_min)
 
     def _draft_piece(self, name: str, *outputs) -> None:
         """With `profile`: evaluate `outputs` and add the time since the last piece to
@@ -563,7 +576,7 @@ class Decoder:
         t2 = time.perf_counter()
         acceptance = self._draft_next(seq, drafts, verified) if self._drafts_ahead(seq) else None
         t3 = time.perf_counter()
-        stats = RoundStats(self.width(seq), 0, 0, t1 - t0 + t3 - t2, t2 - t1)
+        stats = RoundStats(block.shape[0], 0, 0, t1 - t0 + t3 - t2, t2 - t1)
         stats.looked_up = seq.looked_up
         return self._settle(seq, block, drafts, q, verified, k_accept, stats, acceptance)
 
@@ -643,7 +656,10 @@ class Decoder:
             self.peer.settle(seq.seq_id, keep)
             seq.taps.sent = seq.taps.end
             seq.next_block.start = tape.start + keep
-        if self.adaptive:  # before the prefetch: the next block has the new width
+        if stats.looked_up:  # before the prefetch, which looks the next block up
+            whole = accepted == stats.bs - 1
+            seq.lookup_width = min(LOOKUP_MAX_WIDTH, 2 * stats.bs) if whole else None
+        elif self.adaptive:  # before the prefetch: the next block has the new width
             self._adapt(seq, stats.bs, accepted)
         if seq.next_block is not None and (
             seq.finished is not None or seq.next_block.width != self.width(seq)
