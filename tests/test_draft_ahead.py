@@ -212,3 +212,36 @@ def test_a_block_drafted_ahead_is_not_used_after_a_shared_round(default_pair):
         for seq in seqs:
             decoder.close(seq)
     assert runs[0] == runs[1]
+
+
+@exact
+def test_looked_up_rounds_between_rounds_drafted_ahead(default_pair):
+    """Repeated text (engine/lookup.py) in a chat the trained pair answers by restating the
+    code: a looked-up round follows one that drafted its block ahead (left unused), and the
+    round after it drafts with the context rows the drafter lacks. With and without drafting
+    ahead: the same widths (looked-up blocks growing to 32 rows), acceptance and tokens, the
+    target's own greedy decode."""
+    from sanctum.bench.multiturn import _code_snippets
+    from sanctum.tokenizer import render_chat
+
+    target, drafter = default_pair
+    code = _code_snippets(1)[0]
+    messages = [{"role": "system", "content": "You are a careful Python reviewer."},
+                {"role": "user", "content": f"Review this code:\n```python\n{code}\n```"}]  # fmt: skip
+    ids = target.tokenizer.encode(render_chat(target.tokenizer, messages), add_special_tokens=False)
+    eos = frozenset(target.tokenizer.eos_token_ids)
+    runs = []
+    for ahead in (False, True):
+        decoder = Decoder(target, drafter, LocalDraftPeer(drafter))
+        decoder.draft_ahead = ahead
+        seq = decoder.new_sequence("s", "fp16", SamplingParams(), 128, eos)
+        key = make_key(0)
+        steps = [decoder.start(seq, decoder.prefill(seq, ids), key)]
+        while seq.finished is None:
+            steps.append(decoder.step(seq, key))
+        decoder.close(seq)
+        rounds = [(s.stats.bs, s.stats.accepted, s.stats.looked_up) for s in steps[1:]]
+        runs.append(([t for s in steps for t in s.tokens], rounds))
+    assert runs[0] == runs[1]
+    assert runs[0][0] == _decode(Decoder(target), ids, 128, eos)[0]
+    assert (32, 31, True) in runs[0][1] and (8, 7, False) in runs[0][1]
