@@ -201,7 +201,7 @@ def test_looked_up_blocks_grow_while_accepted_whole_alone_and_shared(make_pair, 
     # looked-up block; s3 (no reference) drafts as usual beside them
     eos_at = next(j for j in range(70, 120) if plain["s2"][j] not in plain["s2"][:j])
     specs = [("s0", PROMPTS[0], 100, ()), ("s1", PROMPTS[1], 97, ()),
-             ("s2", PROMPTS[2], 130, (plain["s2"][eos_at],)), ("s3", PROMPTS[3], 40, ())]  # fmt: skip
+             ("s2", PROMPTS[2], 130, (plain["s2"][eos_at],)), ("s3", PROMPTS[3], 6, ())]  # fmt: skip
     wrong = {"s1": {30, 75}}
 
     def decoder():
@@ -229,18 +229,33 @@ def test_looked_up_blocks_grow_while_accepted_whole_alone_and_shared(make_pair, 
     assert 8 in [w for w, _ in alone["s1"][1][3:]]  # back to the drafter's width after a miss
     assert not any(looked for _, looked in alone["s3"][1])
 
-    d = decoder()
-    opened = [_open(d, target, seq_id, prompt, n, eos) for seq_id, prompt, n, eos in specs]
-    seqs, keys = [s for s, _, _ in opened], [k for _, k, _ in opened]
-    got = {s.seq_id: (out, []) for s, _, out in opened}
-    live = list(range(len(seqs)))
-    while live:
-        subs = []
-        for i in live:
-            keys[i], sub = mx.random.split(keys[i])
-            subs.append(sub)
-        for i, step in zip(live, d.step_batch([seqs[i] for i in live], subs)):
-            got[seqs[i].seq_id][0].extend(step.tokens)
-            got[seqs[i].seq_id][1].append((step.stats.bs, step.stats.looked_up))
-        live = [i for i in live if seqs[i].finished is None]
-    assert got == alone
+    def shared(specs):
+        d = decoder()
+        opened = [_open(d, target, seq_id, prompt, n, eos) for seq_id, prompt, n, eos in specs]
+        seqs, keys = [s for s, _, _ in opened], [k for _, k, _ in opened]
+        got = {s.seq_id: (out, []) for s, _, out in opened}
+        live = list(range(len(seqs)))
+        while live:
+            subs = []
+            for i in live:
+                keys[i], sub = mx.random.split(keys[i])
+                subs.append(sub)
+            drafting = any(seqs[i].seq_id == "s3" for i in live)
+            for i, step in zip(live, d.step_batch([seqs[i] for i in live], subs)):
+                got[seqs[i].seq_id][0].extend(step.tokens)
+                got[seqs[i].seq_id][1].append((step.stats.bs, step.stats.looked_up, drafting))
+            live = [i for i in live if seqs[i].finished is None]
+        return got
+
+    # every block looked up: each as wide as alone
+    got = shared(specs[:3])
+    assert {k: (out, [w[:2] for w in ws]) for k, (out, ws) in got.items()} == {
+        k: v for k, v in alone.items() if k != "s3"
+    }
+    # beside a sequence that drafts, looked-up blocks are no wider than its block (the verify
+    # pads every block to the widest): the same tokens in more rounds
+    got = shared(specs)
+    for seq_id, (out, widths) in got.items():
+        assert out == alone[seq_id][0], seq_id
+        assert all(bs <= 8 for bs, _, drafting in widths if drafting), seq_id
+    assert any(bs == 32 for bs, _, drafting in got["s1"][1] if not drafting)
