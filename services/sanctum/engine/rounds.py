@@ -80,7 +80,9 @@ class BatchDecoder(Decoder):
         drafter_width = max((d.shape[0] for _, s, d, *_ in drafted if not s.looked_up), default=0)
         if not drafter_width:
             return drafted
-        return [(i, s, d[:drafter_width] if s.looked_up else d, *rest) for i, s, d, *rest in drafted]
+        return [
+            (i, s, d[:drafter_width] if s.looked_up else d, *rest) for i, s, d, *rest in drafted
+        ]
 
     def _plain_steps(self, seqs, keys, idx: list[int], steps: dict) -> None:
         """The plain steps of the gated sequences `idx` in a round where none drafts, in one
