@@ -23,6 +23,12 @@ def _code_snippets(count: int, chars: int = 900) -> list[str]:
     return out
 
 
+def decode_rate(usage) -> float:
+    """Tokens a second of a reply after its first token (0.0 for a reply of one token)."""
+    seconds = usage.elapsed_s - usage.ttft_s
+    return round((usage.completion_tokens - 1) / seconds, 1) if seconds > 0 else 0.0
+
+
 def cache_bytes(store) -> dict:
     """The prompt cache's bytes now: all entries together, and its longest entry alone."""
     entries = store.listing()
@@ -93,8 +99,7 @@ def multiturn(args) -> list[dict]:
             "tau": round(warm.tau, 3),
             "lookup_rounds": warm.lookup_rounds,  # of `rounds`: drafts read from the chat itself
             "rounds": warm.rounds,
-            # the reply after its first token, warm
-            "decode_tok_s": round((warm.completion_tokens - 1) / (warm.elapsed_s - warm.ttft_s), 1),
+            "decode_tok_s": decode_rate(warm),
             "ttft_warm_s": warm.ttft_s,
             "ttft_cold_s": cold.ttft_s,
             "kv": warm.kv,
