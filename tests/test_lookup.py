@@ -100,10 +100,13 @@ def test_looked_up_rounds_verify_the_continuation_and_decode_as_plain(
     make_pair, monkeypatch, drafter_kind
 ):
     target, drafter = load_pair(make_pair, "hybrid", drafter_kind)
-    blocks = []
-    verify = target.verify
-    monkeypatch.setattr(target, "verify", lambda block, *a, **k: (blocks.append(block.tolist()),
-                                                                  verify(block, *a, **k))[1])  # fmt: skip
+    blocks, verify = [], target.verify
+
+    def recording_verify(block, *args, **kwargs):  # the blocks the target is asked to verify
+        blocks.append(block.tolist())
+        return verify(block, *args, **kwargs)
+
+    monkeypatch.setattr(target, "verify", recording_verify)
     prompt = PROMPTS[2]
     ids = target.tokenizer.encode(prompt)
     plain = tokens_of(generate(target, ids, max_tokens=64, eos_ids=set()))

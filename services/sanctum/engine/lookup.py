@@ -32,10 +32,11 @@ class TokenIndex:
         self._source: list[int] | None = None
         self._last: tuple | None = None  # (query, answer): a prefetch and its round ask alike
 
-    def _sync(self, tokens: list[int], extra: int) -> None:
+    def _sync(self, tokens: list[int]) -> None:
+        """The buffer holds `tokens`, and room for one more (the anchor)."""
         if tokens is not self._source or len(tokens) < self._n:  # a new list: start over
             self._source, self._n = tokens, 0
-        need = len(tokens) + extra
+        need = len(tokens) + 1
         if need > self._buf.shape[0]:
             grown = np.empty(max(need, 2 * self._buf.shape[0]), np.int32)
             grown[: self._n] = self._buf[: self._n]
@@ -53,7 +54,7 @@ class TokenIndex:
         query = (id(tokens), len(tokens), anchor, count, min_match)
         if self._last is not None and self._last[0] == query:
             return self._last[1]
-        self._sync(tokens, 1)
+        self._sync(tokens)
         n = self._n + 1
         h = self._buf[:n]
         h[-1] = anchor  # past the synced tokens: the next sync overwrites it

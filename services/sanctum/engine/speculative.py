@@ -478,10 +478,13 @@ class Decoder:
         # a block drafted ahead, if it is still for this position (a shared round since, in
         # rounds.py, drafted its own)
         block, seq.next_block = seq.next_block, None
-        looked_up = self._lookup(seq) if params.greedy else None
+        looked_up = self._lookup(seq)
         seq.looked_up = looked_up is not None
-        if looked_up is not None and seq.prefetch is None:
+        if looked_up is not None:
             # the drafter is not asked: the context rows it lacks go with its next block
+            if seq.prefetch is not None:  # (`_prefetch` looks up first: cannot happen)
+                self.peer.discard(seq.prefetch.handle)  # its context rows stay with the drafter
+                seq.prefetch = None
             return mx.array(looked_up), None
         if block is not None and block.start == cache_offset(seq.cache):
             return block.drafts, None
@@ -502,8 +505,6 @@ class Decoder:
         self._draft_piece("head", logits)
         drafts, q = self._propose(seq, hidden, logits, params, key)
         self._draft_piece("select", drafts)
-        if looked_up is not None:  # prefetched before the lookup was asked (cannot happen)
-            return mx.array(looked_up), None
         return drafts, q
 
     def _lookup(self, seq: Sequence):
