@@ -309,6 +309,72 @@ def test_regen_spans_are_engine_greedy(tiny_pair):
     assert sampled_differs
 
 
+def test_regen_review_rows_are_chats(tiny_pair):
+    """`train regen --review`: every span is the assistant's reply in a review chat worded as
+    bench multiturn asks (system turn, "Review this code" with a contiguous slice of one file,
+    the assistant's header right before the span, the reply closed and the next user turn right
+    after it); held-out rows show held-out files only; the spans are still the target's."""
+    from sanctum.train.data import REVIEW_SYSTEM, TextTokenizer, render_chat, review_request
+    from sanctum.train.regen import (
+        MIN_SNIPPET,
+        REVIEW,
+        ReviewPieces,
+        place_reviews,
+        place_stubs,
+        regenerate_rows,
+        review_pieces,
+        review_starts,
+    )
+
+    stubs = [{"ids": np.array([5], np.int32), "chat": c} for c in (False, True)]
+    plain = place_stubs(np.zeros((4, 40), np.int32), [20], np.random.default_rng(0), stubs, 3)
+    assert plain.tolist() == [0, 1, 2, 0]  # without --review no row is a review chat
+
+    # the placement alone, on pieces whose tokens say where they came from
+    code = [np.arange(1000, 1300), np.arange(2000, 2900)]
+    pieces = ReviewPieces(np.array([1, 2]), np.array([3, 4]), np.array([5, 6]), np.array([7]),
+                          [c.astype(np.int32) for c in code])  # fmt: skip
+    starts = review_starts(512, 2, 16, np.random.default_rng(0))
+    assert starts[0] >= 120 and 256 + 120 <= starts[1] <= 512 - 16
+    rows = np.full((3, 512), 9, np.int32)
+    place_reviews(rows, starts, 16, np.random.default_rng(1), pieces, eot_id=8)
+    for row in rows:
+        s0, s1 = starts
+        assert row[s0 - 2 : s0].tolist() == [5, 6]  # the assistant's header, then the reply
+        first = row[: s0 - 2]
+        head_at = len(first) - (first[::-1] < 1000).argmax()  # the code starts after head
+        assert row[head_at - 5 : head_at].tolist() == [8, 1, 2, 3, 4]
+        assert MIN_SNIPPET <= s0 - 2 - head_at <= 400
+        after = row[s0 + 16 :]
+        assert after[:3].tolist() == [7, 3, 4]  # the reply closed, the next user turn
+        shown = row[s0 + 16 + 3 : s1 - 2]
+        assert (np.diff(shown) == 1).all() and shown[0] // 1000 == shown[-1] // 1000
+        assert row[s1 - 2 : s1].tolist() == [5, 6]
+
+    # the real pieces: the chat template's own tokens around the code, files by split
+    tok = TextTokenizer(TINY_TOKENIZER)
+    root = stdlib_root()
+    files = [root / "textwrap.py", root / "struct.py"]  # struct.py is held out
+    assert is_holdout("struct.py") and not is_holdout("textwrap.py")
+    train, held = review_pieces(tok, files), review_pieces(tok, files, holdout=True)
+    assert len(train.code) == 1 and len(held.code) == 1
+    assert train.code[0].tolist() == tok.encode_batch([files[0].read_text()])[0]
+    text = render_chat([{"role": "system", "content": REVIEW_SYSTEM},
+                        {"role": "user", "content": review_request("x = 1")}])  # fmt: skip
+    x = tok.encode_batch(["x = 1"])[0]
+    ids = [*train.system, *train.head, *x, *train.foot]
+    assert tok.encode_batch([text + "<|im_start|>assistant\n"])[0] == ids
+
+    target = load_target(tiny_pair[0])
+    windows = np.random.default_rng(2).integers(10, target.vocab_size, (3, 600)).astype(np.int32)
+    out, gen, kinds, _ = regenerate_rows(target, windows, 2, 12, batch=2,
+                                         rng=np.random.default_rng(3), review=train)  # fmt: skip
+    assert (kinds == REVIEW).all() and gen.sum() == 3 * 2 * 12
+    for row, mask in zip(out, gen):
+        spans = [i for i in range(600) if mask[i] and not mask[i - 1]]
+        assert all(row[s - len(train.foot) : s].tolist() == train.foot.tolist() for s in spans)
+
+
 def test_drafter_fine_tune_from_packed_init(tmp_path, tiny_pair, corpus_args, capsys):
     """`--init` starts from a (packed) drafter, `--regen-data` trains on a regen file and
     evaluates its held-out rows; the result loads unchanged with the init's config."""

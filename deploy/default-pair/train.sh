@@ -16,8 +16,12 @@
 #   train.sh short-regen  $SHORT_COUNT short sequences: a prompt ending by token 96 (two in three a
 #                       training function's stub, raw or as a chat turn), then 160 tokens of the
 #                       shipped target's reply, where `bench tau`'s context-0 prompts sit
-#   train.sh mixed      the shipped drafter refined at $SEQ tokens on $W/regen-gpu.npz (gpu-regen with
-#                       SEED0=200: sequences it has not seen) with every 4th step on $W/short.npz,
+#   train.sh review-regen  $REVIEW_PARTS x 256 review chats of $SEQ tokens (`train regen --review`:
+#                       bench multiturn's conversation, each of 8 spans of 128 tokens the target's
+#                       reply to a "Review this code" turn), merged with $W/regen-gpu.npz into
+#                       $W/regen-chat.npz (run gpu-regen first)
+#   train.sh mixed      the shipped drafter refined at $SEQ tokens on $REGEN (default
+#                       $W/regen-gpu.npz: gpu-regen with SEED0=200, sequences it has not seen) with every 4th step on $W/short.npz,
 #                       labels $MIXED_DISTILL x the target's distribution, for $MIXED_S s; packed to
 #                       $MIXED_OUT-packed and calibrated
 # Run from the repository root, with `sanctum` importable (PYTHONPATH=services or the venv) and a
@@ -46,6 +50,10 @@ REFINE1_S=${REFINE1_S:-215}
 REFINE2_S=${REFINE2_S:-440}
 SEED0=${SEED0:-100}                    # gpu-regen: the parts' seeds are SEED0, SEED0 + 1, ...
 SHORT_COUNT=${SHORT_COUNT:-1536}
+REVIEW_PARTS=${REVIEW_PARTS:-2}
+PART_COUNT=${PART_COUNT:-256}          # gpu-regen, review-regen: sequences a part
+PART_HOLDOUT=${PART_HOLDOUT:-32}       # held-out sequences of the first part
+REGEN=${REGEN:-$W/regen-gpu.npz}         # mixed: the regenerated 4K rows it refines on
 MIXED_S=${MIXED_S:-420}
 MIXED_LR=${MIXED_LR:-2e-4}
 MIXED_DISTILL=${MIXED_DISTILL:-0.5}
@@ -134,20 +142,37 @@ finetune() {
 gpu_regen() {  # parts of 256 (batch 64 failed a CUDA graph launch), the first with 32 held out
   local part hold
   for ((part = 0; part < GPU_PARTS; part++)); do
-    hold=0; [ $part = 0 ] && hold=32
+    hold=0; [ $part = 0 ] && hold=$PART_HOLDOUT
     run $PY train regen --target services/sanctum/assets/default/target --data "$CORPUS" \
-      --out "$W/regen-gpu-$part.npz" --count 256 --holdout $hold --seq-len "$SEQ" --spans 8 \
+      --out "$W/regen-gpu-$part.npz" --count "$PART_COUNT" --holdout $hold --seq-len "$SEQ" --spans 8 \
       --new-tokens 128 --temperatures 0,0,0.7,1 --batch 32 --seed $((SEED0 + part))
   done
-  python3 - "$W" "$GPU_PARTS" <<'PY'
+  merge "$W/regen-gpu.npz" $(seq -f "$W/regen-gpu-%g.npz" 0 $((GPU_PARTS - 1)))
+}
+
+review_regen() {  # parts of 256 review chats (bench multiturn's shape), the first with 32 held out
+  local part hold
+  for ((part = 0; part < REVIEW_PARTS; part++)); do
+    hold=0; [ $part = 0 ] && hold=$PART_HOLDOUT
+    run $PY train regen --target services/sanctum/assets/default/target --data "$CORPUS" \
+      --out "$W/review-$part.npz" --count "$PART_COUNT" --holdout $hold --seq-len "$SEQ" --spans 8 \
+      --new-tokens 128 --temperatures 0,0,0.7,1 --batch 32 --seed $((SEED0 + 50 + part)) --review
+  done
+  merge "$W/regen-chat.npz" "$W/regen-gpu.npz" $(seq -f "$W/review-%g.npz" 0 $((REVIEW_PARTS - 1)))
+}
+
+merge() {  # merge OUT PART...: training rows of all parts, held-out rows of every part that has them
+  python3 - "$@" <<'PY'
 import json, sys
 import numpy as np
-w, n = sys.argv[1], int(sys.argv[2])
-zs = [dict(np.load(f"{w}/regen-gpu-{i}.npz")) for i in range(n)]
-out = {k: np.concatenate([z[k] for z in zs]) for k in ("train", "train_generated", "kinds", "temperatures")}
-out.update(holdout=zs[0]["holdout"], holdout_generated=zs[0]["holdout_generated"])
-info = json.loads(str(zs[0]["info"])) | {"parts": n}
-np.savez_compressed(f"{w}/regen-gpu.npz", **out, info=np.array(json.dumps(info)))
+out, parts = sys.argv[1], sys.argv[2:]
+zs = [dict(np.load(p)) for p in parts]
+merged = {k: np.concatenate([z[k] for z in zs]) for k in ("train", "train_generated", "kinds", "temperatures")}
+held = [z for z in zs if "holdout" in z and len(z["holdout"])]
+merged.update(holdout=np.concatenate([z["holdout"] for z in held]),
+              holdout_generated=np.concatenate([z["holdout_generated"] for z in held]))
+info = json.loads(str(zs[0]["info"])) | {"parts": parts}
+np.savez_compressed(out, **merged, info=np.array(json.dumps(info)))
 PY
 }
 
@@ -178,7 +203,7 @@ short_regen() {  # batch 32: at 64 MLX CUDA failed a kernel launch ("invalid arg
 
 mixed() {
   local A=services/sanctum/assets/default
-  run $PY train drafter --target "$A/target" --data "$CORPUS" --regen-data "$W/regen-gpu.npz" \
+  run $PY train drafter --target "$A/target" --data "$CORPUS" --regen-data "$REGEN" \
     --short-data "$W/short.npz" --short-every 4 --short-batch 64 --init "$A/drafter" \
     --kind dflash2 --out "$MIXED_OUT" --block-sizes 8,16 --seq-len "$SEQ" --batch "$BATCH" \
     --rows-per-seq 1024 --regen-frac 0.6 --steps "$STEPS" --time-budget "$MIXED_S" \
@@ -188,10 +213,10 @@ mixed() {
   run $PY train pack --target "$A/target" --drafter "$MIXED_OUT" --out "$MIXED_OUT-packed" \
     --drafter-only --drafter-bits 8
   run $PY train calibrate --target "$A/target" --drafter "$MIXED_OUT-packed/drafter" \
-    --regen-data "$W/regen-gpu.npz" --write
+    --regen-data "$REGEN" --write
 }
 
 all() { target && drafters; }
 
-cmd=${1:?usage: train.sh target|drafters|all|install|finetune|gpu-regen|refine|short-regen|mixed}
+cmd=${1:?usage: train.sh target|drafters|all|install|finetune|gpu-regen|refine|short-regen|review-regen|mixed}
 "${cmd//-/_}"

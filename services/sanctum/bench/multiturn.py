@@ -61,6 +61,7 @@ def multiturn(args) -> list[dict]:
     from ..serving.requests import GenerateRequest
     from ..serving.verifier import Verifier
     from ..settings import cache_settings, engine_settings, model_flags
+    from ..train.data import REVIEW_SYSTEM, review_request
 
     settings = engine_settings(**model_flags(args))
     target, drafter = load_models(settings)
@@ -76,7 +77,7 @@ def multiturn(args) -> list[dict]:
         settings.block_size,
         ladder_bytes=cache.ladder_bytes,
     )
-    messages = [{"role": "system", "content": "You are a careful Python reviewer."}]
+    messages = [{"role": "system", "content": REVIEW_SYSTEM}]
 
     def ask(msgs, use_cache, seed):
         req = GenerateRequest(
@@ -108,9 +109,7 @@ def multiturn(args) -> list[dict]:
 
     rows = []
     for turn, snippet in enumerate(_code_snippets(args.turns), start=1):
-        messages.append(
-            {"role": "user", "content": f"Review this code:\n```python\n{snippet}\n```"}
-        )
+        messages.append({"role": "user", "content": review_request(snippet)})
         text, r = row(turn, messages, turn)
         rows.append(r)
         messages.append({"role": "assistant", "content": text})

@@ -147,7 +147,7 @@ def cmd_regen(args) -> int:
     arrays = build_regen(target, corpus, args.count, args.seq_len, args.spans, args.new_tokens,
                          args.batch, args.holdout, args.seed, args.corpus or None,
                          _floats(args.temperatures), args.prompt_len,
-                         log=lambda m: print(m, flush=True))  # fmt: skip
+                         log=lambda m: print(m, flush=True), review=args.review)  # fmt: skip
     save_regen(args.out, arrays)
     print(json.dumps({"out": args.out, "train": list(arrays["train"].shape),
                       "holdout": list(arrays["holdout"].shape) if "holdout" in arrays else None,
@@ -350,6 +350,9 @@ def register(subparsers) -> None:
                    help="continuation temperatures, cycled over the rows (0 = greedy)")  # fmt: skip
     p.add_argument("--batch", type=int, default=64, help="sequences per forward")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--review", action="store_true",
+                   help="every sequence a review chat (bench multiturn's shape): each span the "
+                        "reply to a user turn showing a file's code")  # fmt: skip
     _corpus_flags(p)
     p.set_defaults(func=cmd_regen)
 

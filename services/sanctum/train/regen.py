@@ -6,7 +6,10 @@ stretches of `new_tokens` tokens are the target's own continuation of everything
 short, middle and long context alike, the way a conversation interleaves the user's text with the
 model's replies. Right before a span, two rows in three carry a function stub from a training
 file in place of the stream's tokens (signature + docstring, as raw code or as a chat user turn
-followed by `<|im_start|>assistant\n`), as `bench tau`'s prompts end. Rows continue greedily or
+followed by `<|im_start|>assistant\n`), as `bench tau`'s prompts end. With `review`, every row is
+instead a review chat shaped like `bench multiturn`'s: each span is the assistant's reply to a
+"Review this code" turn whose code is a slice of a file, so later turns see the target's own
+earlier replies, as a served conversation does. Rows continue greedily or
 sampled, at temperatures cycled over the rows: the drafter's labels stay the target's
 distribution (computed online while it trains), so sampled rows show it the contexts that sampled
 decoding produces. All rows of a batch share span positions, so a batch runs as one mlx-lm forward
@@ -25,9 +28,21 @@ import mlx.core as mx
 import numpy as np
 
 from ..engine.target import Target
-from .data import Corpus, TextTokenizer, corpus_files, function_pairs, is_holdout, render_chat
+from .data import (
+    REVIEW_SYSTEM,
+    Corpus,
+    TextTokenizer,
+    corpus_files,
+    function_pairs,
+    is_holdout,
+    render_chat,
+    review_request,
+)
 
-KINDS = ("window", "code", "chat")
+KINDS = ("window", "code", "chat", "review")
+REVIEW = KINDS.index("review")
+MIN_SNIPPET = 32  # a review turn's code, tokens at least (else the gap keeps the stream's text)
+FIRST_SNIPPET = 400  # the first turn's code at most: the stream before it stays as context
 PREFILL_CHUNK = 512  # rows per prefill forward: keeps a batch's activations small
 
 
@@ -79,7 +94,7 @@ def place_stubs(rows: np.ndarray, starts: list[int], rng: np.random.Generator,
         return kinds
     gaps = np.diff([0, *starts])  # tokens of room before each span (after the previous one)
     for i in range(rows.shape[0]):
-        kinds[i] = kind = i % len(KINDS)
+        kinds[i] = kind = i % REVIEW  # window, code, chat in turn (review rows: place_reviews)
         if not kind:
             continue
         pick = [s for s in stubs if s["chat"] == (kind == 2)] or stubs
@@ -88,6 +103,69 @@ def place_stubs(rows: np.ndarray, starts: list[int], rng: np.random.Generator,
             if len(ids) + 8 <= room:
                 rows[i, start - len(ids) : start] = ids
     return kinds
+
+
+def review_starts(seq_len: int, spans: int, new_tokens: int,
+                  rng: np.random.Generator) -> list[int]:  # fmt: skip
+    """Span starts for review rows: each in the second half of its stretch's free room, so
+    every reply follows a user turn of a few hundred tokens, as bench multiturn's do."""
+    bounds = np.linspace(0, seq_len, spans + 1).astype(int)
+    starts = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        free = hi - new_tokens - lo
+        if free < 2 * MIN_SNIPPET:
+            raise ValueError(f"{spans} review turns of {new_tokens} tokens do not fit {seq_len}")
+        starts.append(int(rng.integers(lo + free // 2, hi - new_tokens + 1)))
+    return starts
+
+
+@dataclass
+class ReviewPieces:
+    """The review chat's fixed token pieces (chat template, bench multiturn's wording) and the
+    code its user turns show: each file's tokens, files of at least a few hundred tokens."""
+
+    system: np.ndarray  # "<|im_start|>system\n<REVIEW_SYSTEM><|im_end|>\n"
+    head: np.ndarray  # "<|im_start|>user\nReview this code:\n```python\n"
+    foot: np.ndarray  # "\n```<|im_end|>\n<|im_start|>assistant\n"
+    close: np.ndarray  # "<|im_end|>\n" after a reply
+    code: list[np.ndarray]
+
+
+def review_pieces(tok: TextTokenizer, paths=None, holdout: bool = False) -> ReviewPieces:
+    """Pieces from the training files (or, `holdout`, from the held-out ones only)."""
+    user = render_chat([{"role": "user", "content": review_request("\0")}])
+    head, tail = user.split("\0")
+    texts = [render_chat([{"role": "system", "content": REVIEW_SYSTEM}]), head,
+             tail + "<|im_start|>assistant\n", "<|im_end|>\n"]  # fmt: skip
+    files = [p.read_text(encoding="utf-8", errors="replace")
+             for n, p in corpus_files(paths) if p.suffix == ".py" and is_holdout(n) == holdout]  # fmt: skip
+    code = [np.array(ids, np.int32) for ids in tok.encode_batch(files)]
+    ids = [np.array(i, np.int32) for i in tok.encode_batch(texts)]
+    return ReviewPieces(*ids, [c for c in code if c.size >= 4 * MIN_SNIPPET])
+
+
+def place_reviews(rows: np.ndarray, starts: list[int], new_tokens: int,
+                  rng: np.random.Generator, pieces: ReviewPieces, eot_id: int) -> None:  # fmt: skip
+    """Turn each row into a review chat around its spans: before the first span the stream's
+    text, then the reviewer's system turn and a user turn; before each later one the previous
+    reply's end and a user turn filling the gap. A turn's code is a slice of one file (its own
+    tokens, so a slice starts and ends where the file's tokenization does)."""
+    sizes = np.array([c.size for c in pieces.code])
+    for i in range(rows.shape[0]):
+        prev_end = 0
+        for n, start in enumerate(starts):
+            first = n == 0
+            before = [[eot_id], pieces.system] if first else [pieces.close]
+            before = np.concatenate([*before, pieces.head])
+            room = start - prev_end - len(before) - len(pieces.foot)
+            room = min(room, FIRST_SNIPPET, sizes.max()) if first else room
+            if MIN_SNIPPET <= room <= sizes.max():
+                fits = np.flatnonzero(sizes >= room)
+                code = pieces.code[fits[rng.integers(len(fits))]]
+                at = int(rng.integers(0, code.size - room + 1))
+                turn = np.concatenate([before, code[at : at + room], pieces.foot])
+                rows[i, start - len(turn) : start] = turn
+            prev_end = start + new_tokens
 
 
 def _text_model(target: Target):
@@ -151,8 +229,10 @@ class Regen:
 
 def regenerate_rows(target: Target, windows: np.ndarray, spans: int, new_tokens: int,
                     batch: int, rng: np.random.Generator, temperatures=(0.0,), stubs=None,
-                    eot_id: int = 0, first: int | None = None, log=None):  # fmt: skip
-    """[N, T] windows -> (rows with generated spans, generated mask, kinds, temperature per row)."""
+                    eot_id: int = 0, first: int | None = None, log=None,
+                    review: ReviewPieces | None = None):  # fmt: skip
+    """[N, T] windows -> (rows with generated spans, generated mask, kinds, temperature per row);
+    `review`: every row a review chat (`place_reviews`) instead of stubs."""
     rows, gen = windows.astype(np.int32).copy(), np.zeros(windows.shape, bool)
     kinds = np.zeros(rows.shape[0], np.int8)
     temps = np.array([temperatures[i % len(temperatures)] for i in range(rows.shape[0])])
@@ -160,8 +240,13 @@ def regenerate_rows(target: Target, windows: np.ndarray, spans: int, new_tokens:
     t0 = time.perf_counter()
     for b in range(0, rows.shape[0], batch):
         sl = slice(b, b + batch)
-        starts = span_starts(rows.shape[1], spans, new_tokens, rng, first)
-        kinds[sl] = place_stubs(rows[sl], starts, rng, stubs, eot_id)
+        if review is None:
+            starts = span_starts(rows.shape[1], spans, new_tokens, rng, first)
+            kinds[sl] = place_stubs(rows[sl], starts, rng, stubs, eot_id)
+        else:
+            starts = review_starts(rows.shape[1], spans, new_tokens, rng)
+            place_reviews(rows[sl], starts, new_tokens, rng, review, eot_id)
+            kinds[sl] = REVIEW
         key, sub = mx.random.split(key)
         rows[sl] = continue_spans(target, rows[sl], starts, new_tokens, temps[sl], sub)
         for s in starts:
@@ -174,8 +259,10 @@ def regenerate_rows(target: Target, windows: np.ndarray, spans: int, new_tokens:
 
 def build_regen(target: Target, corpus: Corpus, count: int, seq_len: int, spans: int,
                 new_tokens: int, batch: int = 64, holdout: int = 0, seed: int = 0, paths=None,
-                temperatures=(0.0,), first: int | None = None, log=None) -> dict:  # fmt: skip
-    """Regenerated training sequences (and held-out ones for evaluation) as arrays to save."""
+                temperatures=(0.0,), first: int | None = None, log=None,
+                review: bool = False) -> dict:  # fmt: skip
+    """Regenerated training sequences (and held-out ones for evaluation) as arrays to save;
+    `review`: review chats (held-out ones from held-out files)."""
     from .data import sample_windows
 
     rng = np.random.default_rng(seed)
@@ -185,16 +272,21 @@ def build_regen(target: Target, corpus: Corpus, count: int, seq_len: int, spans:
     ids = tok.encode_batch([stub_prompt(t, c) for t, c in zip(texts, chats)])
     stubs = [{"ids": np.array(i, np.int32), "chat": c} for i, c in zip(ids, chats)]
     windows = sample_windows(corpus.train, count, seq_len, rng)
+    pieces = review_pieces(tok, paths) if review else None
     train, gen, kinds, temps = regenerate_rows(target, windows, spans, new_tokens, batch, rng,
-                                               temperatures, stubs, tok.eot_id, first, log)  # fmt: skip
+                                               temperatures, stubs, tok.eot_id, first, log,
+                                               pieces)  # fmt: skip
     result = {"train": train, "train_generated": gen, "kinds": kinds, "temperatures": temps}
     if holdout and corpus.holdout.size > seq_len + 1:
         held = sample_windows(corpus.holdout, holdout, seq_len, rng)
+        pieces = review_pieces(tok, paths, holdout=True) if review else None
         held, held_gen, _, _ = regenerate_rows(target, held, spans, new_tokens, batch, rng,
-                                               temperatures, None, tok.eot_id, first, log)  # fmt: skip
+                                               temperatures, None, tok.eot_id, first, log,
+                                               pieces)  # fmt: skip
         result.update(holdout=held, holdout_generated=held_gen)
     result["info"] = np.array(json.dumps({
         "seq_len": seq_len, "spans": spans, "new_tokens": new_tokens, "first": first,
+        "review": review,
         "temperatures": list(temperatures), "target": str(target.path), "seed": seed,
         "kinds": {k: int((kinds == i).sum()) for i, k in enumerate(KINDS)}}))  # fmt: skip
     return result
