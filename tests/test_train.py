@@ -358,6 +358,8 @@ def test_regen_review_rows_are_chats(tiny_pair):
     assert is_holdout("struct.py") and not is_holdout("textwrap.py")
     train, held = review_pieces(tok, files), review_pieces(tok, files, holdout=True)
     assert len(train.code) == 1 and len(held.code) == 1
+    with pytest.raises(ValueError, match="--review needs held-out .py files"):
+        review_pieces(tok, files[:1], holdout=True)
     assert train.code[0].tolist() == tok.encode_batch([files[0].read_text()])[0]
     text = render_chat([{"role": "system", "content": REVIEW_SYSTEM},
                         {"role": "user", "content": review_request("x = 1")}])  # fmt: skip

@@ -141,7 +141,11 @@ def review_pieces(tok: TextTokenizer, paths=None, holdout: bool = False) -> Revi
              for n, p in corpus_files(paths) if p.suffix == ".py" and is_holdout(n) == holdout]  # fmt: skip
     code = [np.array(ids, np.int32) for ids in tok.encode_batch(files)]
     ids = [np.array(i, np.int32) for i in tok.encode_batch(texts)]
-    return ReviewPieces(*ids, [c for c in code if c.size >= 4 * MIN_SNIPPET])
+    code = [c for c in code if c.size >= 4 * MIN_SNIPPET]
+    if not code:
+        split = "held-out" if holdout else "training"
+        raise ValueError(f"--review needs {split} .py files of {4 * MIN_SNIPPET}+ tokens")
+    return ReviewPieces(*ids, code)
 
 
 def place_reviews(rows: np.ndarray, starts: list[int], new_tokens: int,
