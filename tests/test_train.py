@@ -319,6 +319,7 @@ def test_regen_review_rows_are_chats(tiny_pair):
         MIN_SNIPPET,
         REVIEW,
         ReviewPieces,
+        build_regen,
         place_reviews,
         place_stubs,
         regenerate_rows,
@@ -360,6 +361,9 @@ def test_regen_review_rows_are_chats(tiny_pair):
     assert len(train.code) == 1 and len(held.code) == 1
     with pytest.raises(ValueError, match="--review needs held-out .py files"):
         review_pieces(tok, files[:1], holdout=True)
+    corpus = Corpus(np.arange(10, 400, dtype=np.int32), np.zeros(0, np.int32))
+    with pytest.raises(ValueError, match="--prompt-len does not apply with --review"):
+        build_regen(None, corpus, 1, 256, 1, 16, first=8, review=True)
     assert train.code[0].tolist() == tok.encode_batch([files[0].read_text()])[0]
     text = render_chat([{"role": "system", "content": REVIEW_SYSTEM},
                         {"role": "user", "content": review_request("x = 1")}])  # fmt: skip

@@ -269,6 +269,8 @@ def build_regen(target: Target, corpus: Corpus, count: int, seq_len: int, spans:
     `review`: review chats (held-out ones from held-out files)."""
     from .data import sample_windows
 
+    if review and first is not None:
+        raise ValueError("--prompt-len does not apply with --review (its turns set the spans)")
     rng = np.random.default_rng(seed)
     tok = TextTokenizer(target.path)
     texts = training_stubs(paths, seed)
