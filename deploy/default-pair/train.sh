@@ -21,8 +21,8 @@
 #                       reply to a "Review this code" turn), merged with $W/regen-gpu.npz into
 #                       $W/regen-chat.npz (run gpu-regen first)
 #   train.sh mixed      the shipped drafter refined at $SEQ tokens on $REGEN (default
-#                       $W/regen-gpu.npz: gpu-regen with SEED0=200, sequences it has not seen) with every 4th step on $W/short.npz,
-#                       labels $MIXED_DISTILL x the target's distribution, for $MIXED_S s; packed to
+#                       $W/regen-gpu.npz: gpu-regen with SEED0=200, sequences it has not seen)
+#                       with every 4th step on $W/short.npz, labels $MIXED_DISTILL x the target's distribution, for $MIXED_S s; packed to
 #                       $MIXED_OUT-packed and calibrated
 # Run from the repository root, with `sanctum` importable (PYTHONPATH=services or the venv) and a
 # corpus from `sanctum train corpus` at $CORPUS. The defaults are the shipped run's (one NVIDIA H200,
@@ -169,8 +169,9 @@ out, parts = sys.argv[1], sys.argv[2:]
 zs = [dict(np.load(p)) for p in parts]
 merged = {k: np.concatenate([z[k] for z in zs]) for k in ("train", "train_generated", "kinds", "temperatures")}
 held = [z for z in zs if "holdout" in z and len(z["holdout"])]
-merged.update(holdout=np.concatenate([z["holdout"] for z in held]),
-              holdout_generated=np.concatenate([z["holdout_generated"] for z in held]))
+if held:
+    merged.update(holdout=np.concatenate([z["holdout"] for z in held]),
+                  holdout_generated=np.concatenate([z["holdout_generated"] for z in held]))
 info = json.loads(str(zs[0]["info"])) | {"parts": parts}
 np.savez_compressed(out, **merged, info=np.array(json.dumps(info)))
 PY
