@@ -172,7 +172,9 @@ held = [z for z in zs if "holdout" in z and len(z["holdout"])]
 if held:
     merged.update(holdout=np.concatenate([z["holdout"] for z in held]),
                   holdout_generated=np.concatenate([z["holdout_generated"] for z in held]))
-info = json.loads(str(zs[0]["info"])) | {"parts": parts}
+from sanctum.train.regen import KINDS
+kinds = {k: int((merged["kinds"] == i).sum()) for i, k in enumerate(KINDS)}  # of all parts
+info = json.loads(str(zs[0]["info"])) | {"parts": parts, "kinds": kinds}
 np.savez_compressed(out, **merged, info=np.array(json.dumps(info)))
 PY
 }

@@ -208,12 +208,9 @@ class BatchDecoder(Decoder):
         out: list = [None] * len(seqs)
         asked = []  # the sequences the drafter drafts for: those whose block is not looked up
         for n, seq in enumerate(seqs):
-            looked_up = self._lookup(seq)
-            seq.looked_up = looked_up is not None
-            if looked_up is None:
+            out[n] = self._read_block(seq)
+            if out[n] is None:
                 asked.append(n)
-            else:
-                out[n] = (mx.array(looked_up), None)
         if asked:
             drafted = self._draft_batch([seqs[n] for n in asked], [keys[n] for n in asked])
             for n, proposal in zip(asked, drafted):

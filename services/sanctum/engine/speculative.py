@@ -478,14 +478,13 @@ class Decoder:
         # a block drafted ahead, if it is still for this position (a shared round since, in
         # rounds.py, drafted its own)
         block, seq.next_block = seq.next_block, None
-        looked_up = self._lookup(seq)
-        seq.looked_up = looked_up is not None
-        if looked_up is not None:
+        read = self._read_block(seq)
+        if read is not None:
             # the drafter is not asked: the context rows it lacks go with its next block
             if seq.prefetch is not None:  # (`_prefetch` looks up first: cannot happen)
                 self.peer.discard(seq.prefetch.handle)  # its context rows stay with the drafter
                 seq.prefetch = None
-            return mx.array(looked_up), None
+            return read
         if block is not None and block.start == cache_offset(seq.cache):
             return block.drafts, None
         if self.profile:
@@ -506,6 +505,13 @@ class Decoder:
         drafts, q = self._propose(seq, hidden, logits, params, key)
         self._draft_piece("select", drafts)
         return drafts, q
+
+    def _read_block(self, seq: Sequence) -> tuple[mx.array, None] | None:
+        """(drafts, no q) read from the sequence itself (`_lookup`), or None when the drafter
+        drafts this round; marks the round `seq.looked_up` either way."""
+        found = self._lookup(seq)
+        seq.looked_up = found is not None
+        return None if found is None else (mx.array(found), None)
 
     def _lookup(self, seq: Sequence):
         """The next block's drafts read from the sequence itself (int32, numpy), or None:
