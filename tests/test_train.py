@@ -432,6 +432,14 @@ def test_drafter_fine_tune_from_packed_init(tmp_path, tiny_pair, corpus_args, ca
     assert "quantization" not in json.loads((out / "config.json").read_text())
     # lr 1e-9: the tuned weights are the init's (dequantized) weights
     assert mx.allclose(tuned.body.fc.weight, init.body.fc.weight, atol=1e-5).item()
+    # a batch of regenerated rows only (no corpus windows) trains too
+    only = list(argv)
+    for flag in ("--short-data", "--short-every", "--short-batch"):
+        i = only.index(flag)
+        del only[i : i + 2]
+    only[only.index("--steps") + 1] = "1"
+    only[only.index(str(out))] = str(tmp_path / "regen-only")
+    assert main([*only, "--regen-frac", "1"]) == 0
 
 
 def test_dflash_drafter_upgrades_to_dflash2(tmp_path, tiny_pair, corpus_args):

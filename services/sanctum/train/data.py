@@ -270,7 +270,10 @@ def training_texts(paths: Iterable[str | Path] | None = None, chat: bool = True)
 def sample_windows(
     tokens: np.ndarray, batch: int, length: int, rng: np.random.Generator
 ) -> np.ndarray:
-    """[batch, length] random windows of the stream (int32)."""
+    """[batch, length] random windows of the stream (int32); none for batch 0 (a batch all
+    regenerated rows, `--regen-frac 1`)."""
+    if batch == 0:
+        return np.zeros((0, length), np.int32)
     if tokens.size < length + 1:
         reps = (length + 1) // max(1, tokens.size) + 1
         tokens = np.tile(tokens, reps)
