@@ -22,8 +22,9 @@
 #                       $W/regen-chat.npz (run gpu-regen first)
 #   train.sh mixed      the shipped drafter refined at $SEQ tokens on $REGEN (default
 #                       $W/regen-gpu.npz: gpu-regen with SEED0=200, sequences it has not seen)
-#                       with every 4th step on $W/short.npz, labels $MIXED_DISTILL x the target's distribution, for $MIXED_S s; packed to
-#                       $MIXED_OUT-packed and calibrated
+#                       with every 4th step on $W/short.npz, labels $MIXED_DISTILL x the target's
+#                       distribution, for $MIXED_S s; packed to $MIXED_OUT-packed and calibrated
+#                       (REGEN=$W/regen-chat.npz: the review-chat run, not shipped; assets README)
 # Run from the repository root, with `sanctum` importable (PYTHONPATH=services or the venv) and a
 # corpus from `sanctum train corpus` at $CORPUS. The defaults are the shipped run's (one NVIDIA H200,
 # MLX with its CUDA backend); the variables below scale it down for a smoke run on a CPU.
@@ -53,7 +54,7 @@ SHORT_COUNT=${SHORT_COUNT:-1536}
 REVIEW_PARTS=${REVIEW_PARTS:-2}
 PART_COUNT=${PART_COUNT:-256}          # gpu-regen, review-regen: sequences a part
 PART_HOLDOUT=${PART_HOLDOUT:-32}       # held-out sequences of the first part
-REGEN=${REGEN:-$W/regen-gpu.npz}         # mixed: the regenerated 4K rows it refines on
+REGEN=${REGEN:-$W/regen-gpu.npz}       # mixed: the regenerated 4K rows it refines on
 MIXED_S=${MIXED_S:-420}
 MIXED_LR=${MIXED_LR:-2e-4}
 MIXED_DISTILL=${MIXED_DISTILL:-0.5}
