@@ -261,6 +261,14 @@ def regenerate_rows(target: Target, windows: np.ndarray, spans: int, new_tokens:
     return rows, gen, kinds, temps
 
 
+def _stub_ids(tok: TextTokenizer, paths, seed: int) -> list[dict]:
+    """The training functions' stubs as token ids, every other one as a chat turn."""
+    texts = training_stubs(paths, seed)
+    chats = [i % 2 == 1 for i in range(len(texts))]
+    ids = tok.encode_batch([stub_prompt(t, c) for t, c in zip(texts, chats)])
+    return [{"ids": np.array(i, np.int32), "chat": c} for i, c in zip(ids, chats)]
+
+
 def build_regen(target: Target, corpus: Corpus, count: int, seq_len: int, spans: int,
                 new_tokens: int, batch: int = 64, holdout: int = 0, seed: int = 0, paths=None,
                 temperatures=(0.0,), first: int | None = None, log=None,
@@ -273,10 +281,7 @@ def build_regen(target: Target, corpus: Corpus, count: int, seq_len: int, spans:
         raise ValueError("--prompt-len does not apply with --review (its turns set the spans)")
     rng = np.random.default_rng(seed)
     tok = TextTokenizer(target.path)
-    texts = training_stubs(paths, seed)
-    chats = [i % 2 == 1 for i in range(len(texts))]
-    ids = tok.encode_batch([stub_prompt(t, c) for t, c in zip(texts, chats)])
-    stubs = [{"ids": np.array(i, np.int32), "chat": c} for i, c in zip(ids, chats)]
+    stubs = None if review else _stub_ids(tok, paths, seed)  # review rows place their own turns
     windows = sample_windows(corpus.train, count, seq_len, rng)
     pieces = review_pieces(tok, paths) if review else None
     train, gen, kinds, temps = regenerate_rows(target, windows, spans, new_tokens, batch, rng,
