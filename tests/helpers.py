@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import random
+import socket
 import time
 
 # prompts the tiny pair answers at some length; the first four are the cluster and serving tests'
@@ -24,3 +26,27 @@ def wait_for(predicate, timeout=30.0, interval=0.05):
                 return True
         time.sleep(interval)
     return predicate()
+
+
+_GIVEN: set[int] = set()  # the ports free_port has handed out in this process
+
+
+def free_port() -> int:
+    """A loopback port free now, above Ray's worker ports (10002-19999) and below the kernel's
+    ephemeral range: a port from bind(0) is ephemeral, and in a cluster test one of Ray's
+    processes, connecting out after the test chose it, took it before the server listened."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    for port in random.sample(range(20000, max(low, 20100)), 200):
+        if port in _GIVEN:  # two calls in a row must not name one port
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            _GIVEN.add(port)
+            return port
+    raise RuntimeError("no free loopback port between Ray's and the ephemeral range")

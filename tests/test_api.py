@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 ray = pytest.importorskip("ray")
 
-from helpers import NO_GATE, PROMPTS, wait_for
+from helpers import NO_GATE, PROMPTS, free_port, wait_for
 from sanctum.api.client import Client, make_request
 from sanctum.api.server import Server
 from sanctum.serving.inline import InlineBackend, RoundDelay
@@ -343,12 +342,6 @@ def test_not_serving_until_models_are_loaded():
         srv.stop(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def process_tree(root: int) -> set[int]:
     """`root` and all its descendants (Linux /proc)."""
     children: dict[int, list[int]] = {}
@@ -431,7 +424,7 @@ def test_sigterm_drains(pair, tmp_path, mode):
     import ipaddress
     import tempfile
 
-    port, http_port = _free_port(), _free_port()
+    port, http_port = free_port(), free_port()
     env = dict(os.environ, SANCTUM_NO_OPENBLAS="1", SANCTUM_HOME=str(tmp_path))
     env.pop("RAY_ADDRESS", None)
     dead = subprocess.Popen(["true"])

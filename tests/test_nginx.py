@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from helpers import NO_GATE
+from helpers import NO_GATE, free_port
 from sanctum.api.client import Client, make_request
 from sanctum.api.server import Server
 from sanctum.serving.inline import InlineBackend, RoundDelay
@@ -50,12 +50,6 @@ def _nginx() -> str | None:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def upstream(make_pair, tmp_path_factory):
     from sanctum.api.guard import Access
@@ -78,7 +72,7 @@ def proxy(upstream, tmp_path_factory):
     if binary is None:
         pytest.skip("nginx is not installed and cannot be installed here (not root, no apt-get)")
     work = tmp_path_factory.mktemp("nginx")
-    port, http_port = _free_port(), _free_port()
+    port, http_port = free_port(), free_port()
     site = CONF.read_text().replace("127.0.0.1:1337", upstream.address)
     site = site.replace("server 127.0.0.1:8080;", f"server 127.0.0.1:{upstream.http_port};")
     site = site.replace("listen 127.0.0.1:9337", f"listen 127.0.0.1:{port}")
