@@ -39,7 +39,8 @@ def free_port() -> int:
     with contextlib.suppress(OSError, ValueError, IndexError):
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low = int(f.read().split()[0])
-    for port in random.sample(range(20000, max(low, 20100)), 200):
+    top = max(low, 20000 + 200)  # 200 tries even where the ephemeral range starts lower
+    for port in random.sample(range(20000, top), 200):
         if port in _GIVEN:  # two calls in a row must not name one port
             continue
         with socket.socket() as s:

@@ -8,8 +8,10 @@ import time
 
 import numpy as np
 
+from ..train.data import REVIEW_CHARS, REVIEW_SYSTEM, review_request
 
-def _code_snippets(count: int, chars: int = 900) -> list[str]:
+
+def _code_snippets(count: int, chars: int = REVIEW_CHARS) -> list[str]:
     """Deterministic user material: slices of the standard library's own source."""
     from ..tokenizer import python_stdlib_files
 
@@ -61,7 +63,6 @@ def multiturn(args) -> list[dict]:
     from ..serving.requests import GenerateRequest
     from ..serving.verifier import Verifier
     from ..settings import cache_settings, engine_settings, model_flags
-    from ..train.data import REVIEW_SYSTEM, review_request
 
     settings = engine_settings(**model_flags(args))
     target, drafter = load_models(settings)
