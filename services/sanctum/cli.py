@@ -101,12 +101,11 @@ _OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 
 
 def _prefer_openblas() -> None:
-    """On Linux, MLX's CPU wheel links the reference BLAS (~6 GFLOP/s here); restart once with
-    Debian's OpenBLAS preloaded (~100 GFLOP/s) when it is installed. SANCTUM_NO_OPENBLAS=1 opts out.
+    """On Linux, MLX's CPU wheel links the reference BLAS, much slower than OpenBLAS; restart once
+    with Debian's OpenBLAS preloaded when it is installed. SANCTUM_NO_OPENBLAS=1 opts out.
     Its idle worker threads sleep almost at once (OPENBLAS_THREAD_TIMEOUT=4, 2^4 cycles) instead
-    of spinning ~0.1 s after every call: a spinning worker holds a core through each wait for
-    another process (the drafter, the client); alone, it only burns CPU (measured: about half of
-    the CPU time per token inline on the tiny pair)."""
+    of spinning after every call: a spinning worker holds a core through each wait for another
+    process (the drafter, the client); alone, it only burns CPU (docs/performance.md)."""
     import os
 
     from .settings import OPENBLAS_IDLE_SPIN

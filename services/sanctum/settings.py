@@ -25,7 +25,7 @@ from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_PAIR = ASSETS / "default"  # the trained pair shipped in the package, when present
-# OpenBLAS idle workers spin 2^28 cycles (~0.1 s) after a call by default; 2^4: sleep at once,
+# OpenBLAS idle workers spin 2^28 cycles after a call by default; 2^4: sleep at once,
 # leaving the core to the other role process while this one waits (cli.py, cluster/backend.py)
 OPENBLAS_IDLE_SPIN = "4"
 ROLES = ("verifier", "drafter", "store")

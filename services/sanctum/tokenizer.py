@@ -16,7 +16,7 @@ SPECIAL_TOKENS = (EOT, IM_START, IM_END, THINK, END_THINK, MASK)
 CHAT_ROLES = ("system", "user", "assistant")
 
 # Qwen-style: earlier assistant turns lose their <think> block, so turn N+1's prompt diverges
-# from turn N's cache right after "<|im_start|>assistant\n" (HYBRID_CACHE.md).
+# from turn N's cache right after "<|im_start|>assistant\n" (docs/design/prompt-cache.md).
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message.role == 'assistant' %}"
@@ -153,8 +153,7 @@ def _token_id(tokenizer, token: str) -> int | None:
 class Reencoder:
     """Where a growing token sequence first stops being the tokenizer's own encoding of its text,
     re-encoding each call only the text after the last settled boundary: O(new text) a round
-    instead of O(sequence): ~0.1 ms against 1.6 ms at 1024 tokens and 6 ms at 4096 for Qwen3.5's
-    tokenizer (`sanctum bench reencode`).
+    instead of O(sequence) (`sanctum bench reencode`).
 
     A fast tokenizer splits text into pieces (a regex) and encodes each piece on its own, so a
     piece boundary that enough text follows no longer moves, and the text before it need not be
@@ -162,7 +161,7 @@ class Reencoder:
     MAX_WINDOW unsettled tokens it gives up (`exhausted`) rather than slow every round."""
 
     SETTLE_TOKENS = 8  # a piece boundary this many matching tokens before the end stays put
-    MAX_WINDOW = 512  # ~1 ms to re-encode; Qwen3.5's tokenizer keeps the window under 64
+    MAX_WINDOW = 512  # bounds one re-encode's cost; Qwen3.5's tokenizer stays far below it
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

@@ -231,7 +231,7 @@ class HttpFrontEnd:
         """Listen on host:port (0: any free port) and serve on this loop; the bound port."""
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only then;
-        # without it a response's head and body writes met the client's delayed ACK (~40 ms)
+        # without it a response's head and body writes wait on the client's delayed ACK
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -1,4 +1,4 @@
-"""`sanctum bench abuse`: one normal stream against everything issue 12 threw at the server.
+"""`sanctum bench abuse`: one normal stream against abusive clients (the hardening limits).
 
 While a normal greedy stream runs, it sends a 15 MB text prompt, an 800-message chat (30 KB),
 100 stop strings of 10 KB, 100 idle server-reflection streams (each on its own connection,

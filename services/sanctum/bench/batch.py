@@ -1,10 +1,11 @@
-"""`sanctum bench batch`: concurrent requests sharing rounds (issue 15). The same requests are
-served at each concurrency by that many clients at once (inline, or through the actor cluster
-with `--cluster`; SANCTUM_MAX_BATCH = the largest concurrency; at 1 every round is one
-request's), then inline at the largest concurrency again with max_batch 1 (the round-robin),
-and each output is checked against the concurrency-1 run, where every request was served
-alone. `--steady R` measures the shared rounds themselves instead, without a server, prefill or
-tails (`steady`)."""
+"""`sanctum bench batch`: concurrent requests sharing rounds (docs/design/shared-rounds.md).
+
+The same requests are served at each concurrency by that many clients at once (inline, or through
+the actor cluster with `--cluster`; SANCTUM_MAX_BATCH = the largest concurrency; at 1 every round
+is one request's), then inline at the largest concurrency again with max_batch 1 (the
+round-robin), and each output is checked against the concurrency-1 run, where every request was
+served alone. `--steady R` measures the shared rounds themselves instead, without a server,
+prefill or tails (`steady`)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ entry and back (through mlx-lm's cache `state` protocol; the target says which l
 attention and which Gated DeltaNet).
 
 Rungs can only sit at forward-call boundaries, so the positions are chosen BEFORE prefill and
-prefill stops at them. Priorities (HYBRID_CACHE.md): the prompt boundary (always, even when the
-prompt fits one chunk: that was the seed's bug), the end of the completion, chat message starts
+prefill stops at them. Priorities (docs/design/prompt-cache.md): the prompt boundary (always,
+even when the prompt fits one chunk), the end of the completion, chat message starts
 (later turns share exactly those prefixes), rungs inherited from the entry we resumed from
 (never thrown away), then leftover depth spread evenly over the prompt.
 """

@@ -53,8 +53,8 @@ def _setup_process(processes: RoleProcesses) -> None:
                 "RAY_worker_niceness=0 for full speed",
                 nice,
             )
-    # Python's GIL switch interval (5 ms) unless told: 0.5 ms, the earlier default here, made the
-    # tiny pair's isolation tax 0.5-3 points worse in three back-to-back pairs of runs
+    # Python's own GIL switch interval unless told: a shorter one made the isolation tax worse
+    # (docs/performance.md)
     if processes.switch_interval_s:
         sys.setswitchinterval(processes.switch_interval_s)
 

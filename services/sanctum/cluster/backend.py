@@ -44,8 +44,7 @@ def role_blas_threads(processes: RoleProcesses) -> dict[str, str]:
     """BLAS threads per role (the CPU backend). Ray pins OMP_NUM_THREADS to an actor's CPU count
     (1 for num_cpus=0), so it is set here. Verifier and drafter take turns (the verifier waits on
     each draft), so each gets what inline mode's one process uses: the CPUs it may run on, as
-    OpenBLAS counts them. A one-thread drafter cost the default pair 3 ms a round on 4 cores of a
-    16-core host (isolation tax 6.6-9.5% against 1.8% with 4 threads; deploy/README)."""
+    OpenBLAS counts them: a one-thread drafter slows every round (docs/performance.md)."""
     usable = str(usable_cpus())
     return {
         "verifier": processes.verifier_threads or usable,
@@ -179,7 +178,7 @@ class ClusterBackend:
         return self.metrics.track(lambda: self._submit(req, mode, deadline))
 
     def _submit(self, req, mode: str, deadline: float | None):
-        if self._restarting:  # fail fast: waiting for the restart would hold the caller ~15 s
+        if self._restarting:  # fail fast: waiting would hold the caller for the whole restart
             raise Unavailable("the verifier is restarting; retry shortly")
         sub = roles.Submit(request_id=req.request_id, mode=mode, deadline_unix=deadline or 0.0)
         request_to_proto(req, out=sub.request)

@@ -2,13 +2,13 @@
 
 Where the vocabulary-sized weights live: with the VERIFIER. The drafter actor loads only the
 drafter body (`load_drafter(parts="body")`: fc, its decoder layers, final norm; no embedding,
-no LM head). The verifier already holds the target's embedding and LM head (about 1.3 GB at
-4 bits for a 248K vocabulary) and owns the drafter head (`parts="head"`: the target's LM head
+no LM head). The verifier already holds the target's embedding and LM head (the largest weights
+of a large-vocabulary model) and owns the drafter head (`parts="head"`: the target's LM head
 bound, not copied, plus DFlash 2's candidate selector). Each round the verifier sends the block's
 input embeddings [L, H] and the taps of newly committed rows [C, n_taps*H]; the drafter returns
 the final hidden states [L-1, H]; the verifier projects them to logits and picks the drafts.
-So no process holds a second copy of the vocabulary weights, and the per-round payload is a few
-hundred KB even at 248K vocabulary (logits would be L x 248K floats).
+So no process holds a second copy of the vocabulary weights, and the per-round payload does not
+grow with the vocabulary as logits would.
 
 `DraftService` (Ray-free) is the drafter actor's core: the body with one context cache per
 (client, sequence). `RemoteDraftPeer` implements the engine's pipelined `DraftPeer` over a

@@ -2,15 +2,13 @@
 
 The scheduler puts each request's items on its ticket: chunks, then END or an exception (which
 also ends it). Across Ray nodes they travel as a Ray streaming generator
-(`VerifierActor.generate`). On one host that is too dear for a few tokens a round: one Ray
-stream item took ~1.5 ms of CPU here (0.76 ms in the front end, 0.72 ms in the actor; 100-byte
-items, one per 10 ms), against a ~11 ms round for the tiny pair on two cores, and it was most of
-the cluster's tax over inline (`sanctum bench isolation`). So a front end on the verifier's host
+(`VerifierActor.generate`). On one host that is too dear for a few tokens a round: Ray's
+per-item cost was most of the cluster's tax over inline (`sanctum bench isolation`;
+docs/performance.md). So a front end on the verifier's host
 holds ONE Unix-socket connection to it instead (standard library `multiprocessing.connection`,
 HMAC authkey handed over through Ray), sends its submits and cancels on it, and receives
-`VerifierEvents` whose events carry their request id (roles.proto). A message on such a socket
-costs tens of microseconds (the drafter channel's whole round trip on one: ~60 us, transport.py);
-with it the front end's and the sender's work together came to ~0.3 ms of CPU a round.
+`VerifierEvents` whose events carry their request id (roles.proto), at a small fraction of a
+Ray stream item's cost.
 
 - `EventServer` (verifier actor): accepts front ends. Per connection, a reader thread takes
   submits and cancels, and a sender thread sends every event the scheduler's thread has queued

@@ -23,8 +23,8 @@ log = logging.getLogger("sanctum.cluster")
 ONE_MACHINE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 # Ray starts its worker processes at niceness 15 (its `worker_niceness` setting), so the role
-# processes would lose every contest for a core to the front end and Ray's own daemons (measured:
-# the verifier's forward ~10% slower on a 2-core machine). A local cluster we start runs them at
+# processes would lose every contest for a core to the front end and Ray's own daemons (the
+# verifier's forward slows down; docs/performance.md). A local cluster we start runs them at
 # 0; on a cluster started elsewhere each role tries to lower its own (cluster/actors.py).
 # Ray's metrics collection is off: nothing here reads it, and it is one exporter fewer.
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "enable_metrics_collection": False}

@@ -4,10 +4,10 @@ Per-round traffic between the verifier and the drafter (taps of the newly commit
 block's input embeddings, the drafter's hidden states) takes one of two paths, chosen by Ray node:
 
 - same host (`ShmChannel`): one shared-memory slot per verifier process, written in place, plus
-  a Unix socket carrying a tiny `DraftRequest` / `DraftReply` (roles.proto) per round. Measured
-  here: ~60 us per round trip, against ~2.7 ms for an ordinary Ray actor call and ~1 ms for a Ray
-  compiled graph (which also shuts down when an actor dies and may only be driven by the process
-  that compiled it); so this small channel is hand-written on the standard library
+  a Unix socket carrying a tiny `DraftRequest` / `DraftReply` (roles.proto) per round. A round
+  trip costs far less than an ordinary Ray actor call or a Ray compiled graph (which also shuts
+  down when an actor dies and may only be driven by the process that compiled it;
+  docs/performance.md); so this small channel is hand-written on the standard library
   (`multiprocessing.shared_memory`, `multiprocessing.connection` with an HMAC authkey).
 - across hosts (`ObjectStoreChannel`): the same messages as actor calls, the tensors as numpy
   arrays put in the Ray object store.

@@ -33,8 +33,7 @@ log = logging.getLogger("sanctum.scheduler")
 
 # Prompt tokens prefilled per turn of the worker loop before the decoding requests get a round,
 # and fewer when they would take longer than PREFILL_SLICE_S, judged by the cost per token of
-# the request's last slice: attention makes each token dearer as the context grows (default pair
-# on 2 cores: 512 tokens took 0.4 s at the start of an 18K-token chat, 1.9 s at its end).
+# the request's last slice: attention makes each token dearer as the context grows.
 # (ServeSettings.prefill_slice, prefill_slice_ms: SANCTUM_PREFILL_SLICE, SANCTUM_PREFILL_SLICE_MS)
 PREFILL_SLICE = 512
 PREFILL_SLICE_S = 0.25

@@ -1,4 +1,4 @@
-"""The drafter's training forward and loss (DFLASH.md, "Training recipe"): many blocks per
+"""The drafter's training forward and loss (docs/design/drafter.md): many blocks per
 sequence in one batched, masked pass, and their losses against the frozen target.
 
 Many anchors are drawn per sequence; each gets one block `[x_p, MASK, ...]` at positions
@@ -23,7 +23,7 @@ from ..engine.drafter import CandidateSelector, DraftBody
 from ..engine.drafter_config import DrafterConfig
 from ..engine.target import Target
 
-GAMMA = {8: 4.0, 16: 7.0}  # position-weight decay per block size (DFLASH.md)
+GAMMA = {8: 4.0, 16: 7.0}  # position-weight decay per block size (docs/design/drafter.md)
 
 
 def block_masks(

@@ -40,7 +40,7 @@ def _loop_flags(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
                    help="storage dtype of the written weights")  # fmt: skip
     p.add_argument("--compile", action="store_true",
-                   help="mx.compile the train step (MLX CUDA: ~150 s to compile the target's step)")  # fmt: skip
+                   help="mx.compile the train step (slow to compile on MLX CUDA)")  # fmt: skip
     p.add_argument("--no-compile", action="store_true", help="the default: do not mx.compile")
     p.add_argument("--seed", type=int, default=0)
 
@@ -297,7 +297,7 @@ def register(subparsers) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--intermediate", type=int)
-    p.add_argument("--taps", help="target layer ids, e.g. 1,3,5,7 (default: DFLASH.md's spacing)")
+    p.add_argument("--taps", help="target layer ids, e.g. 1,3,5,7 (default: evenly spaced)")
     p.add_argument("--block-size", type=int, default=8, help="block size written to config.json")
     p.add_argument("--block-sizes", default="8,16", help="block sizes trained, alternated")
     p.add_argument(

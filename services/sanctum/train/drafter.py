@@ -1,5 +1,5 @@
-"""`sanctum train drafter`: a DFlash or DFlash 2 drafter for any mlx-lm target (DFLASH.md,
-"Training recipe"; the batched block forward and the losses are in blocks.py).
+"""`sanctum train drafter`: a DFlash or DFlash 2 drafter for any mlx-lm target
+(docs/design/drafter.md; the batched block forward and the losses are in blocks.py).
 
 The target is frozen and runs online over each batch of sequences for its taps and its logits
 (the labels: its distribution, and its argmax or the data's token). Batches mix corpus windows
@@ -45,7 +45,7 @@ class DrafterShape:
     kv_heads: int = 2
     head_dim: int = 64
     intermediate: int | None = None  # default: the target's MLP width
-    tap_ids: tuple[int, ...] | None = None  # default: DFLASH.md's evenly spaced ids
+    tap_ids: tuple[int, ...] | None = None  # default: evenly spaced over the target's layers
     block_size: int = 8  # what config.json says; inference may pick another
     mask_token_id: int | None = None  # default: the tokenizer's <|mask|>
     sliding_window: int | None = None  # every layer slides over this many rows; None: full

@@ -1,8 +1,8 @@
 """Training through the gated delta rule in chunks (Gated DeltaNet's training form).
 
 mlx-lm runs the recurrence one token at a time off Apple GPUs (and always in training mode), and
-`mx.fast.gated_delta_update`'s gradient does too: thousands of tiny kernels per step, about 2 s a
-step for our 18 M target on an H200. In chunks of C tokens the work is a few [C, C] and [C, D]
+`mx.fast.gated_delta_update`'s gradient does too: thousands of tiny kernels per step. In chunks
+of C tokens the work is a few [C, C] and [C, D]
 matmuls per chunk plus a loop over T/C chunks, and autodiff through it is just as cheap.
 Same layouts and results as mlx-lm's `gated_delta_ops` (tests/test_train.py checks values and
 gradients).

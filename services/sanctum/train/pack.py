@@ -1,7 +1,7 @@
 """`sanctum train pack`: store a trained pair small. The target becomes a standard mlx-lm
 quantized checkpoint (any mlx-lm loads it as is) marked `dequantize_on_cpu`, and the drafter body
 is saved quantized with a `quantization` entry that `load_drafter` reads. On the CPU both loaders
-dequantize to float32 at load, because MLX's quantized CPU matmuls make a verify block ~4x slower.
+dequantize to float32 at load, because MLX's quantized CPU matmuls make a verify block much slower.
 """
 
 from __future__ import annotations

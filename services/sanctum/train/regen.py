@@ -1,4 +1,4 @@
-"""`sanctum train regen`: the target's own continuations (DFLASH.md's "regenerated data"),
+"""`sanctum train regen`: the target's own continuations (regenerated data, docs/design/drafter.md),
 written once to an .npz that `sanctum train drafter --regen-data` reads.
 
 A regenerated sequence is a window of the training stream, `seq_len` tokens long, in which `spans`
