@@ -417,10 +417,9 @@ def _http_checks(c, http_port):
 def test_sigterm_drains(pair, tmp_path, mode):
     """`sanctum serve` as a process: SIGTERM flips health, refuses new work, lets the in-flight
     stream finish, exits 0 (cluster: Ray's own SIGTERM handler must not preempt the drain).
-    Issue 12, cluster mode: every socket its process tree listens on, Ray's included (GCS,
-    raylet, object manager, workers, agents, metrics), is on loopback (before: many on all
-    interfaces); a socket directory left by a killed process is swept at start, and its own are
-    gone after the drain (before: left behind in both cases)."""
+    Cluster mode: every socket its process tree listens on, Ray's included (GCS, raylet, object
+    manager, workers, agents, metrics), is on loopback; a socket directory left by a killed
+    process is swept at start, and its own are gone after the drain."""
     import ipaddress
     import tempfile
 
@@ -440,7 +439,7 @@ def test_sigterm_drains(pair, tmp_path, mode):
     try:
         with Client(f"127.0.0.1:{port}") as c:
             c.wait_serving(120)
-            # issue 13: HTTP in the same process, on the same backend (inline or the cluster)
+            # HTTP in the same process, on the same backend (inline or the cluster)
             http = _http_checks(c, http_port)
             call = c.stream(make_request(PROMPTS[0], max_tokens=200, use_cache=False))
             first = next(call)

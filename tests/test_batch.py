@@ -1,4 +1,4 @@
-"""Batched rounds (issue 15): several sequences' blocks verified in one target forward give
+"""Batched rounds (shared rounds): several sequences' blocks verified in one target forward give
 every sequence exactly the tokens it gets served alone, whatever the mix of prompt lengths,
 KV formats, acceptance, early ends (EOS, max_tokens) and seeded sampling."""
 

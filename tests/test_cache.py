@@ -67,7 +67,7 @@ def test_seed_scenario_resumes_warm(pair, kv, mode):
     first = results[0][2]
     assert first.resumed_at == 0 and first.cache_hit_ratio == 0
     for tokens, cold_tokens, usage in results:
-        assert usage.prompt_tokens < 2048  # single prefill chunk: the seed's failing case
+        assert usage.prompt_tokens < 2048  # a single prefill chunk: no chunk boundary to resume at
         assert tokens == cold_tokens  # resumed output == cold output, token for token
         assert usage.kv == kv and usage.mode == mode
     for _, _, usage in results[1:]:
@@ -162,7 +162,7 @@ def test_rung_exactly_at_lcp_and_one_token_recomputed(pair):
 
 
 def test_ladder_positions_and_inheritance():
-    # a prompt that fits one chunk still gets its boundary rung (the seed's bug)
+    # a prompt that fits one chunk still gets its boundary rung
     assert prefill_stops(4, 53, 0) == (13, 26, 53) or 53 in prefill_stops(4, 53, 0)
     assert prefill_stops(4, 53, 0)[-1] == 53
     assert prefill_stops(1, 53, 0) == (53,)
@@ -264,9 +264,8 @@ def test_corrupt_cache_file_is_skipped(tmp_path, caplog, damage):
 
 
 def test_cache_files_are_private(tmp_path):
-    """Issue 12, access: the entries hold conversations in clear, so the directory is 0700 and
-    every file 0600 (before: 0644 files, readable by any local user); files an older version left
-    readable are tightened when the store opens the directory."""
+    """Access: the entries hold conversations in clear, so the directory is 0700 and every file
+    0600; files an older version left readable are tightened when the store opens the directory."""
     import os
     import stat
 

@@ -121,9 +121,8 @@ def test_cli_generate_json(make_pair, capsys):
 
 
 def test_cli_generate_verbose_text_on_stdout_rounds_on_stderr(make_pair, capsys):
-    """Issue 13: --verbose wrote the text in pieces between the round lines, so on a terminal
-    a round line began mid-text. Now stdout is the text (as --json gives it), and stderr has
-    one round line per round, each on its own line."""
+    """--verbose: stdout is the text (as --json gives it), and stderr has one round line per
+    round, each on its own line, so on a terminal no round line begins mid-text."""
     import contextlib
     import io
     import re

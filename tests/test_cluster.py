@@ -324,7 +324,7 @@ def test_drafter_transports_give_the_engine_output(cluster, engine, pair, transp
     # the role processes run at normal priority (Ray's default would be niceness 15)
     assert all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid in backend.pids().values())
     # the verifier and the drafter take turns, so each gets inline mode's BLAS threads: one per
-    # CPU this process may use (a one-thread drafter cost the default pair 3 ms a round)
+    # CPU this process may use (a one-thread drafter slows every round)
     cpus = str(len(os.sched_getaffinity(0)))
     want = {
         "verifier": os.environ.get("OMP_NUM_THREADS") or cpus,
@@ -437,9 +437,8 @@ def test_store_dies_then_reloads_its_entries(cluster, engine):
 
 @pytest.mark.slow
 def test_health_follows_the_verifier(cluster, engine):
-    """Issue 12, health lies: killed with no request in flight, the verifier used to leave health
-    SERVING through its whole restart while requests got UNAVAILABLE. Now Check and Watch say
-    NOT_SERVING from the moment it dies (its event socket hangs up) until it serves again;
+    """Health follows the verifier, even when it is killed with no request in flight: Check and
+    Watch say NOT_SERVING from the moment it dies (its event socket hangs up) until it serves again;
     requests meanwhile get UNAVAILABLE at once, and once SERVING they succeed."""
     import grpc
     from grpc_health.v1 import health_pb2
@@ -496,9 +495,8 @@ def test_verifier_dies_in_flight_then_serves_again(cluster, engine):
 
 
 def test_socket_directories_are_removed_or_swept():
-    """Issue 12: /tmp/snc-* socket directories were left behind after a kill and after a clean
-    drain. A listener removes its own at close; a killed process's is swept by the next start,
-    and a live process's is left alone."""
+    """/tmp/snc-* socket directories: a listener removes its own at close; a killed process's
+    is swept by the next start, and a live process's is left alone."""
     import subprocess
     import sys
     import tempfile

@@ -1,4 +1,4 @@
-"""Issue 16's engine changes: no silent widening in a bf16 model (prefill, verify, rollback,
+"""The decode path's exactness: no silent widening in a bf16 model (prefill, verify, rollback,
 KV, taps, drafter, saved prompt-cache states); plain greedy equal to mlx-lm's greedy decode;
 the pipelined plain step exact when a request stops (EOS, max_tokens, stop string, cancel);
 attention over 8-bit KV through dequantized copies (MLX CUDA's fallback) equal to the
@@ -333,8 +333,8 @@ def test_block_kernel_dispatch_rolls_back_exactly(pair, monkeypatch):
 
 @pytest.mark.skipif(
     cuda.is_cuda(),
-    reason="the stand-in's 1e-4 agreement with a fresh prefill is the CPU's (1.4e-3 on the "
-    "H200); there tests/test_cuda.py's end-to-end check rolls the real kernel's rows back",
+    reason="the stand-in's 1e-4 agreement with a fresh prefill is the CPU's; on CUDA "
+    "tests/test_cuda.py's end-to-end check rolls the real kernel's rows back",
 )
 def test_block_kernel_row_states_roll_back_exactly(pair, monkeypatch):
     """A block kernel that keeps every row's state (the CUDA kernel's taped variant): a verify

@@ -21,12 +21,11 @@ from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
 
 # Exactness is the CPU's (float32, the same kernels whatever the rows): on CUDA the product and
 # attention kernels differ with the row count, so there a decode that drafts ahead can part from
-# one that does not at a near-tie, as any verify can part from plain decoding (README, "Greedy
-# speculative output on CUDA"); `bench speculative` and `bench cuda` judge the GPU's output.
-# There the body's check runs with a tolerance for those last bits: on the H200 the body's
-# outputs drafting ahead and not differed by at most 4.8e-4 of their largest magnitude (every
-# layout, 70 rounds each), while a block read at the wrong place moves them by their own
-# scale. The CPU's exact check is the one that also catches a single row misread.
+# one that does not at a near-tie, as any verify can part from plain decoding
+# (docs/design/round.md); `bench speculative` and `bench cuda` judge the GPU's output.
+# There the body's check runs with a tolerance for those last bits, far below the change a
+# block read at the wrong place makes (docs/performance.md). The CPU's exact check is the one
+# that also catches a single row misread.
 exact = pytest.mark.skipif(cuda.is_cuda(), reason="exact equality holds on the CPU")
 CUDA_TOLERANCE = 2e-3  # of the output's largest magnitude
 

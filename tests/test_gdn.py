@@ -1,6 +1,6 @@
 """The chunked Gated DeltaNet rule on heads that forget within a block, as trained layers have
-(per-token log-decay down to about -34 on the default pair): the same values as mlx-lm's
-per-token rule, no subnormal decay factors (x86 computes with those ~100x slower), and a verify
+(strongly negative per-token log-decay): the same values as mlx-lm's per-token rule, no
+subnormal decay factors (x86 computes with those far more slowly), and a verify
 block's final state exactly the state a rollback to all its rows makes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 12, hardening, against a real gRPC server over the inline roles (no Ray): idle streams
+"""The hardening limits, against a real gRPC server over the inline roles (no Ray): idle streams
 cannot lock anyone out, the bearer token, TLS and mutual TLS, loopback-only unless a token is
 set, malformed messages and bad sampling values. (Stalls: test_cluster.py; health following the
 verifier and Ray on loopback: test_cluster.py, test_api.py; nginx: test_nginx.py.)"""
@@ -47,9 +47,9 @@ def health_of(address: str, timeout: float = 5.0) -> str:
 
 
 def test_idle_streams_do_not_lock_anyone_out(serve):
-    """Issue 12, lock-out: streams opened and left idle, more than the generation bound, do not
-    starve health, reflection or generation (before: every RPC got RESOURCE_EXHAUSTED
-    "Concurrent RPC limit exceeded!" once max_streams of them were open)."""
+    """Lock-out: streams opened and left idle, more than the generation bound, do not starve
+    health, reflection or generation (grpcio would answer every RPC RESOURCE_EXHAUSTED once
+    max_streams of them were open)."""
     srv = serve(max_streams=8)
     held = idle_reflection_streams(srv.address, 24)
     try:
@@ -128,7 +128,7 @@ def _eventually(predicate, timeout: float = 10.0) -> bool:
 
 
 def test_bearer_token_guards_everything_but_health_and_reflection(serve, tmp_path, monkeypatch):
-    """Issue 12, no access control: with --auth-token-file, a caller without the token gets
+    """Access control: with --auth-token-file, a caller without the token gets
     UNAUTHENTICATED for every RPC (ClearCache removes nothing) but health and reflection; the
     Python client and `sanctum generate --server` send it (argument, SANCTUM_AUTH_TOKEN)."""
     from sanctum.api.guard import Access
@@ -167,8 +167,8 @@ def test_bearer_token_guards_everything_but_health_and_reflection(serve, tmp_pat
 
 
 def test_listening_beyond_loopback_needs_a_token(tmp_path, capsys):
-    """Issue 12: `--host 0.0.0.0` bound every interface, without TLS or a word. Now it refuses
-    to start without a token (before loading anything), and warns without TLS."""
+    """`--host 0.0.0.0` (every interface) refuses to start without a token (before loading
+    anything), and warns without TLS."""
     from sanctum.api.guard import Access, check_exposure, is_loopback
     from sanctum.cli import main
 
@@ -247,8 +247,8 @@ def test_tls_and_mutual_tls(serve, tmp_path):
 
 
 def test_malformed_messages_are_invalid_argument_with_one_log_line(serve, caplog):
-    """Issue 12: bytes that are not the method's message got INTERNAL "Exception deserializing
-    request!" and a traceback in the log each time; now INVALID_ARGUMENT and one line."""
+    """Bytes that are not the method's message get INVALID_ARGUMENT and one log line (grpcio's
+    own answer is INTERNAL and a traceback each time)."""
     srv = serve()
     garbage = b"\xff\xff\xff\xff\x0f garbage"
     with grpc.insecure_channel(srv.address) as channel, caplog.at_level(logging.INFO):
@@ -272,7 +272,7 @@ def test_malformed_messages_are_invalid_argument_with_one_log_line(serve, caplog
 @pytest.mark.parametrize("field,value", [("temperature", float("inf")), ("temperature", float("nan")),
                                          ("top_p", float("nan"))])  # fmt: skip
 def test_non_finite_sampling_values_are_invalid(serve, field, value):
-    """Issue 12: `temperature: inf` was accepted and sampled garbage."""
+    """Non-finite sampling values (`temperature: inf`) are refused, not sampled."""
     srv = serve()
     with Client(srv.address) as c, pytest.raises(grpc.RpcError) as err:
         list(c.generate("hi", max_tokens=4, timeout=10, **{field: value}))

@@ -1,4 +1,4 @@
-"""Issue 13, the HTTP front end, with the official `openai` client against a real server: uvicorn
+"""The HTTP front end, with the official `openai` client against a real server: uvicorn
 on the gRPC server's loop over the inline roles (the cluster: test_api.py's `sanctum serve`).
 
 Pins: chat and completions, streamed and not, give gRPC Generate's greedy text and usage;
@@ -118,8 +118,8 @@ def test_stream_is_server_sent_events_ending_in_done(srv):
 
 def test_connections_send_without_nagle(srv):
     """Each response is written in pieces (head, body, events): on a kept-alive connection
-    without TCP_NODELAY every request waited ~40 ms for the client's delayed ACK (before: the
-    listening socket was made with proto 0, so asyncio left its connections Nagle'd)."""
+    without TCP_NODELAY every request would wait for the client's delayed ACK (asyncio sets it
+    only on a listening socket made with proto IPPROTO_TCP)."""
     import socket
 
     with httpx.Client(base_url=f"http://127.0.0.1:{srv.http_port}") as client:
@@ -132,9 +132,9 @@ def test_connections_send_without_nagle(srv):
 
 
 def test_idle_and_trickling_connections_are_cut(serve):
-    """Issue 12's bounds on HTTP too: a connection that sends no request head (or half of
-    one) is closed after SANCTUM_STREAM_IDLE_S, a body that does not arrive gets 408 (before:
-    uvicorn held both for ever, each holding one of its connection slots)."""
+    """The hardening limits on HTTP too: a connection that sends no request head (or half of
+    one) is closed after SANCTUM_STREAM_IDLE_S, a body that does not arrive gets 408 (uvicorn
+    alone holds both for ever, each holding one of its connection slots)."""
     import socket
 
     from sanctum.settings import ConnectionLimits

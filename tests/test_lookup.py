@@ -4,7 +4,7 @@ plain decoding's, and a sequence proposes the same blocks alone and in a shared 
 
 The tiny random pairs' text (512 tokens, no loops) rarely repeats even two tokens, so the
 decoding tests lower `lookup_min` to 1: a round looks its block up wherever its anchor occurred
-before. The default's effect is measured by the benches (README, "Repeated text")."""
+before. The default's effect is measured by the benches (docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 12, a real proxy: Debian's nginx (installed here when absent: apt-get as root) runs
+"""A real proxy: Debian's nginx (installed here when absent: apt-get as root) runs
 deploy/nginx/sanctum.conf in front of a real server (inline roles), and streaming, deadlines,
 cancellation, health (Check and Watch, through a drain), large requests and the bearer token
 work through it. Skipped only where nginx is absent and cannot be installed."""
@@ -178,8 +178,8 @@ def test_deadline_and_cancel_through_the_proxy_free_the_sequence(client):
 
 
 def test_idle_streams_through_the_proxy_lock_no_one_out(client, proxy):
-    """Issue 12 said the lock-out worked through nginx too: idle reflection streams opened
-    through it (24, three times the server's bound of 8) leave health and generation alone."""
+    """No lock-out through nginx either: idle reflection streams opened through it (24, three
+    times the server's bound of 8) leave health and generation alone."""
     import queue
 
     from grpc_reflection.v1alpha import reflection_pb2_grpc

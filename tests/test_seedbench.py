@@ -1,5 +1,5 @@
-"""`sanctum bench seed` and `sanctum bench cuda` end to end on the CPU (the GPU run is the
-lead's: deploy/gpu/run-seed-bench.sh), in a process that cannot import Ray or gRPC, as on the
+"""`sanctum bench seed` and `sanctum bench cuda` end to end on the CPU (the GPU run:
+deploy/gpu/run-seed-bench.sh), in a process that cannot import Ray or gRPC, as on the
 GPU machine; and the seed checkpoints' shapes."""
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def test_bench_cuda_standin_runs_every_check():
 @pytest.mark.slow
 def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
     """deploy/gpu/run-seed-bench.sh with small settings: every step passes, the summary has
-    the issue's rows."""
+    its rows."""
     import os
     from pathlib import Path
 

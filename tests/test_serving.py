@@ -1,6 +1,6 @@
 """The serving core's scheduler (serving/scheduler.py) behind the inline backend, no Ray: requests
 interleaved round by round and bounded, cancelled and timed out, prefilled in slices that fit
-their time, and no request stalling the others (issue 12)."""
+their time, and no request stalling the others (the hardening limits)."""
 
 from __future__ import annotations
 
@@ -74,8 +74,8 @@ def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
 
 
 def test_queue_full_message_counts_what_stats_count(pair):
-    """Issue 12: RESOURCE_EXHAUSTED said "0 requests decoding and 71 waiting" while 8 decoded: it
-    left out requests being opened or prefilled. Now it gives the figures stats gives."""
+    """RESOURCE_EXHAUSTED's message counts requests as stats does, those being opened or
+    prefilled included."""
     from sanctum.serving.errors import QueueFull
     from sanctum.serving.inline import InlineBackend, RoundDelay
     from sanctum.serving.requests import GenerateRequest
@@ -163,11 +163,11 @@ def test_prefill_slices_shrink_to_fit_their_time():
 
 
 def test_no_request_stalls_the_others(pair, engine):
-    """Issue 12, head-of-line stalls: while a stream decodes, a 15 MB prompt, an 800-message
+    """Head-of-line stalls: while a stream decodes, a 15 MB prompt, an 800-message
     chat and 100 stop strings of 10 KB arrive. The big prompt and the stop strings are refused
     at once (by size, before any tokenization), the chat is prepared off the model's thread and
-    prefilled in slices, and the stream's worst gap between chunks stays well under a second (before: the
-    15 MB prompt was tokenized on the model's thread, a stall of many seconds)."""
+    prefilled in slices, and the stream's worst gap between chunks stays well under a second (a
+    prompt tokenized on the model's thread would stall every stream)."""
     from sanctum.serving.errors import InvalidRequest
     from sanctum.serving.inline import InlineBackend, RoundDelay
     from sanctum.serving.requests import GenerateRequest

@@ -1,6 +1,6 @@
-"""Issue 17, shared storage: a token prefix's KV and taps are stored once however many entries
-extend it, rungs are shared by reference, eviction frees only what no entry references, a restart
-keeps the sharing, and no resume ever reads freed or foreign bytes (a fuzz of interleaved
+"""The prompt cache's shared storage: a token prefix's KV and taps are stored once however many
+entries extend it, rungs are shared by reference, eviction frees only what no entry references, a
+restart keeps the sharing, and no resume ever reads freed or foreign bytes (a fuzz of interleaved
 conversations with evictions, every resume's logits against a cold prefill)."""
 
 from __future__ import annotations

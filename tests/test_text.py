@@ -72,7 +72,7 @@ def _starts_by_rendering_every_prefix(tok, msgs):
 def test_message_starts_are_the_prefix_encodings_found_in_one_pass(tokenizer):
     """The starts equal each prefix's own encoding length (random chats, think blocks, spaces
     and newlines at the edges), and 800 messages take one render and one encode, not 800
-    (quadratic before: tens of seconds, and a stall for every other stream)."""
+    (rendering each prefix would be quadratic, and stall every other stream)."""
     import time
 
     rng = random.Random(0)

@@ -204,8 +204,8 @@ def test_corpus_roundtrip(tmp_path):
 @pytest.mark.parametrize("aligned", [0.0, 0.9])
 def test_chunked_gdn_values_and_gradients(aligned):
     """The chunked rule against mlx-lm's per-token one, in value and gradient; `aligned` keys
-    (each a shared direction plus noise, as trained layers come to have) broke the power-series
-    inverse that chunks once used (errors ~1e9, NaN at 4K-token training)."""
+    (each a shared direction plus noise, as trained layers come to have) are the case a
+    power-series inverse gets wrong."""
     from mlx import nn
     from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
     from sanctum.train.gdn import chunked_gated_delta
