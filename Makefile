@@ -2,7 +2,7 @@
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 SANCTUM := $(VENV)/bin/sanctum
-# MLX's Linux wheel links the reference BLAS; Debian's OpenBLAS is ~15x faster on the CPU.
+# MLX's Linux wheel links the reference BLAS; Debian's OpenBLAS is much faster on the CPU.
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 BLAS_ENV = $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 

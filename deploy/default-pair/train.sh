@@ -5,10 +5,10 @@
 #   train.sh install    the packed pair into services/sanctum/assets/default
 #   train.sh finetune   the second generation's first fine-tune: the first-generation drafter at
 #                       $INIT re-layered to slide over $FT_WINDOW rows, fine-tuned at $SEQ tokens
-#                       as DFlash 2 and as DFlash (one after the other: together they ran out of
-#                       memory on the H200) against the shipped target, on $W/regen.npz (made on
+#                       as DFlash 2 and as DFlash (one after the other: together they need more
+#                       memory than one GPU) against the shipped target, on $W/regen.npz (made on
 #                       the CPU if absent)
-#   train.sh gpu-regen  what is shipped today, step 1: $GPU_PARTS x 256 regenerated sequences of
+#   train.sh gpu-regen  the shipped drafter, step 1: $GPU_PARTS x 256 regenerated sequences of
 #                       $SEQ tokens, 8 spans of 128 tokens each, made on the GPU (seeds 100, 101, ...)
 #   train.sh refine     step 2: the shipped drafter fine-tuned on them twice (lr 3e-4 for $REFINE1_S s,
 #                       then lr 2.5e-4 for $REFINE2_S s from the first), packed, then its sampling
@@ -26,7 +26,7 @@
 #                       distribution, for $MIXED_S s; packed to $MIXED_OUT-packed and calibrated
 #                       (REGEN=$W/regen-chat.npz: the review-chat run, not shipped; assets README)
 # Run from the repository root, with `sanctum` importable (PYTHONPATH=services or the venv) and a
-# corpus from `sanctum train corpus` at $CORPUS. The defaults are the shipped run's (one NVIDIA H200,
+# corpus from `sanctum train corpus` at $CORPUS. The defaults are the shipped run's (one large GPU,
 # MLX with its CUDA backend); the variables below scale it down for a smoke run on a CPU.
 set -euo pipefail
 W=${W:-runs/pair}                      # work folder

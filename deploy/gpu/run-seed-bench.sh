@@ -1,29 +1,27 @@
 #!/usr/bin/env bash
-# Issue 16's GPU run in one command. From the repository root, on a machine where MLX (CUDA
-# backend) and mlx-lm import (PYTHONPATH set) and Ray is absent:
+# The seed benchmark's GPU run in one command. From the repository root, on a machine where MLX
+# (CUDA backend) and mlx-lm import (PYTHONPATH set) and Ray is absent:
 #
 #   deploy/gpu/run-seed-bench.sh
 #
 # Steps, most important first; each one's JSON (and stderr) under $OUT (default
-# /tmp/sanctum-seed-bench), the summary table last (summary.md). Rough H200 times:
-#   seed         sanctum bench seed --json: the first run builds ~19 GB of checkpoints under
-#                SEED_DIR (default ~/.cache/sanctum/seed), later runs reuse them    ~9 min (12-03: 524 s
-#                on a fresh machine, phases and ablations included)
-#   default-*    sanctum bench speculative, embedded pair, blocks 8 and 16, fp16 and q8      ~4 min
-#   cuda         sanctum bench cuda: fused GDN kernel vs mlx-lm's ops, Q8 attention, e2e     ~3 min
+# /tmp/sanctum-seed-bench), the summary table last (summary.md); step times: docs/performance.md.
+#   seed         sanctum bench seed --json: the first run builds the seed checkpoints under
+#                SEED_DIR (default ~/.cache/sanctum/seed), later runs reuse them
+#   default-*    sanctum bench speculative, embedded pair, blocks 8 and 16, fp16 and q8
+#   cuda         sanctum bench cuda: fused GDN kernel vs mlx-lm's ops, Q8 attention, e2e
 #   kernels      deploy/gpu/kernel_trace.py: kernels and GPU busy time per piece of a round
-#                (16 target layers; counts where torch's profiler imports): over 200 s on a
-#                fresh machine (its 16-layer checkpoint, MLX's first compilations)       ~1-4 min
-#   kernels-mlx-draft  the same with the drafter's CUDA kernels off (SANCTUM_DRAFT_KERNELS)  ~2 min
-#   pytest-cuda  tests/test_cuda.py, when pytest imports: over 150 s on a fresh machine     ~3 min
+#                (16 target layers; counts where torch's profiler imports)
+#   kernels-mlx-draft  the same with the drafter's CUDA kernels off (SANCTUM_DRAFT_KERNELS)
+#   pytest-cuda  tests/test_cuda.py, when pytest imports
 #   mlx-*        a 16-layer target, plain vs mlx-lm and verify/decode, under MLX's own
-#                command-buffer settings (default, bigger buffers, no CUDA graphs)           ~2 min
+#                command-buffer settings (default, bigger buffers, no CUDA graphs)
 # A step starts only while DEADLINE (default 540) seconds have not passed, so the whole run
-# ends inside a 10-minute limit with what it finished; on a fresh machine all steps need
-# DEADLINE=1500 or so (run it detached and collect $OUT after).
-# MLX compiles its CUDA kernels at first use, ~150-190 s of a run on a fresh machine; the
-# compiled kernels are kept beside the checkpoints (MLX_PTX_CACHE_DIR, default
-# ~/.cache/sanctum/cuda-ptx; MLX's own default is under /tmp), so a later run skips that.
+# ends inside a 10-minute limit with what it finished; on a fresh machine (checkpoints to build,
+# CUDA kernels to compile) all steps need DEADLINE=1500 or so (run it detached and collect $OUT
+# after). MLX compiles its CUDA kernels at first use; the compiled kernels are kept beside the
+# checkpoints (MLX_PTX_CACHE_DIR, default ~/.cache/sanctum/cuda-ptx; MLX's own default is under
+# /tmp), so a later run skips that.
 # Knobs, for a smoke run on a CPU: SEED_ARGS (e.g. "--layers 2 --max-tokens 8"), SPEC_ARGS
 # (e.g. "--max-tokens 16 --repeats 1"), VARIANT_ARGS, TRACE_ARGS (e.g. "--small --layers 2"),
 # SEED_DIR, PYTHON, DEADLINE.

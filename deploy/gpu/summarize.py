@@ -1,8 +1,8 @@
 """The summary table of deploy/gpu/run-seed-bench.sh: python3 summarize.py OUT_DIR.
 
-Reads the steps' JSON files and prints one markdown table with issue 16's figures next to
-their targets (missing or failed steps show as "-"), one of the MLX-setting variants, then the
-step times."""
+Reads the steps' JSON files and prints one markdown table with the seed benchmark's figures
+next to their targets (missing or failed steps show as "-"), one of the MLX-setting variants,
+then the step times."""
 
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Pack what `sanctum bench isolation` needs on a Linux x86-64 host that has Python, numpy,
 # safetensors, tokenizers/transformers and grpcio but no Ray, no MLX and no package registry
-# (e.g. the lent GPU host, used here for its CPU cores). Run from the repository root, online:
+# (e.g. a GPU host, used for its CPU cores). Run from the repository root, online:
 #
 #   deploy/isolation-bench/pack.sh [PYTHON_VERSION]      # default 3.12
 #
 # Writes build/isolation-bench/site.tar.xz (Ray without its Java jars and the libraries sanctum
 # does not use, MLX for the CPU, mlx-lm, protobuf, Ray's small pure-Python dependencies) and
 # blas.tar.xz (this machine's OpenBLAS and its Fortran runtime, as the Makefile preloads it).
-# Both fit the device's 64 MiB carry; run.sh unpacks them there.
+# Both stay small enough to copy to a host without network access; run.sh unpacks them there.
 set -euo pipefail
 py=${1:-3.12}
 out=build/isolation-bench

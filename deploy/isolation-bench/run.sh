@@ -5,7 +5,7 @@
 #
 # Runs `sanctum bench isolation` once per CPU set, under `taskset -c CPUS` ("all": unpinned), on
 # the tiny pair (made here by `sanctum make-tiny`) or, with PAIR=default, on the embedded default
-# pair (a ~40 ms round), and writes each run's JSON to
+# pair, and writes each run's JSON to
 # $OUT/isolation-CPUS.json (or ./isolation-CPUS.json without $OUT).
 set -uo pipefail
 kit=build/isolation-bench
