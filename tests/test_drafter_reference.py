@@ -3,10 +3,11 @@
 published layouts, many rounds whose context outgrows the sliding window, context appended a few
 rows at a time as in real rounds.
 
-How the comparison is fair (DFLASH.md): the reference's incremental sliding cache returns keys in
-rotated order while its mask assumes time order, so every round it gets a fresh cache and the whole
-context; ours runs incrementally, exactly as it serves. Its `load_draft` fetches through the hub, so
-the test points that fetch at the local folder: both loaders read the same config.json as is.
+How the comparison is fair (docs/design/drafter.md): the reference's incremental sliding cache
+returns keys in rotated order while its mask assumes time order, so every round it gets a fresh
+cache and the whole context; ours runs incrementally, exactly as it serves. Its `load_draft`
+fetches through the hub, so the test points that fetch at the local folder: both loaders read the
+same config.json as is.
 """
 
 from __future__ import annotations

@@ -265,8 +265,9 @@ def test_fuzz_interleaved_conversations_resume_like_cold(pair, kv, tol, tmp_path
 
 
 def test_seed_shape_accounting_before_and_after():
-    """bench cache-size at the seed's shapes (a shorter conversation): the old store held every
-    turn whole, the shared one about the last entry alone; the bytes are the store's own."""
+    """bench cache-size at the seed's shapes (a shorter conversation): a store without sharing
+    holds every turn whole, the shared one about the last entry alone; the bytes are the store's
+    own."""
     from sanctum.bench.cachesize import conversation, seed_shapes
 
     shapes = seed_shapes()

@@ -17,7 +17,7 @@ noisy (lower than the exact one), and a token no continuation drew falls back to
 
 The drafter's own figures are the token rule's too (`--accept-rules token` in `bench tau`), so
 the three compare like with like; block verification, the engine's default, accepts ~4-8 %
-more (README, "How a round works")."""
+more (docs/design/round.md)."""
 
 from __future__ import annotations
 
