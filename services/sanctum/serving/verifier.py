@@ -33,6 +33,7 @@ from .requests import (
     longest_token_chars,
     validate,
 )
+from .stats import Counters
 
 log = logging.getLogger("sanctum.verifier")
 
@@ -118,31 +119,6 @@ class Active:
         return len(self.prompt_ids) - len(self.seq.cached_tokens)
 
 
-@dataclass
-class Metrics:
-    """Counters since start (exposed by the API's stats)."""
-
-    requests: int = 0
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    rounds: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    gated_steps: int = 0  # plain steps the speculation gate took instead of rounds
-    lookup_rounds: int = 0  # rounds whose drafts were read from the sequence (engine/lookup.py)
-    round_s: dict = field(
-        default_factory=lambda: {"draft": 0.0, "verify": 0.0, "rollback": 0.0, "other": 0.0}
-    )  # seconds spent in each phase of a round, summed over rounds
-
-    def add_round(self, s) -> None:
-        self.rounds += 1
-        self.gated_steps += s.gated
-        self.lookup_rounds += s.looked_up
-        for phase in self.round_s:
-            self.round_s[phase] += getattr(s, f"{phase}_s")
-
-
 class Verifier:
     """Owns the target, its live caches, and the decode loop."""
 
@@ -171,7 +147,7 @@ class Verifier:
             longest_token_chars(target.tokenizer),
         )
         self.eos_ids = set(target.tokenizer.eos_token_ids)
-        self.metrics = Metrics()
+        self.counters = Counters()  # since start: read by Stats (serving_stats)
         self.model_id = str(target.path) if target.path else f"model-{id(target):x}"
 
     def model_key(self, kv_mode: str) -> str:
@@ -272,9 +248,7 @@ class Verifier:
             plan.resumed_at,
             usage.cache_hit_ratio,
         )
-        self.metrics.requests += 1
-        self.metrics.prompt_tokens += len(prompt_ids)
-        self.metrics.cached_tokens += plan.resumed_at
+        self.counters.opened(len(prompt_ids), plan.resumed_at)
         return act
 
     def prefill_some(self, act: Active, budget: int | None = None) -> Chunk | None:
@@ -318,7 +292,7 @@ class Verifier:
             act.watch.observe(self.decoder, act.seq, before, step)
         s = step.stats
         act.usage.rounds += 1
-        self.metrics.add_round(s)
+        self.counters.add_round(s)
         if s.bs > 1:
             act.usage.drafted_tokens += s.bs - 1
             act.usage.accepted_tokens += s.accepted
@@ -407,7 +381,5 @@ class Verifier:
             usage.tau = round(acceptance_length(usage.accepted_tokens, act.spec_rounds) or 0.0, 4)
             usage.elapsed_s = round(time.perf_counter() - act.started, 6)
             chunk.usage = usage
-            self.metrics.completion_tokens += usage.completion_tokens
-            self.metrics.drafted_tokens += usage.drafted_tokens
-            self.metrics.accepted_tokens += usage.accepted_tokens
+            self.counters.finished(usage)
         return chunk
