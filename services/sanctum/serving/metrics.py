@@ -25,6 +25,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .requests import Chunk, Usage
+from .stats import ROUND_PHASES
 
 log = logging.getLogger("sanctum.metrics")
 disable_created_metrics()  # no `_created` series: a scrape shows what it counts, nothing more
@@ -216,7 +217,7 @@ class _BackendState:
             "Verifier time in each phase of a round",
             labels=["phase"],
         )
-        for phase in ("draft", "verify", "rollback", "other"):
+        for phase in ROUND_PHASES:
             ms_per_round = getattr(s, f"round_{phase}_ms")
             phases.add_metric([phase], ms_per_round * s.rounds / 1000.0)
         yield phases

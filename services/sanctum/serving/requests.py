@@ -19,7 +19,9 @@ from .errors import InvalidRequest
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """Exactly one of prompt / prompt_ids / messages. None means "unset": defaults apply."""
+    """What a client asks for, made once from the wire (wire/convert.py, api/openai.py) and
+    referenced, never copied, by the scheduler's Ticket and the verifier's Prepared. Exactly one
+    of prompt / prompt_ids / messages. None means "unset": defaults apply."""
 
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None

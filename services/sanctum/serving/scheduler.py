@@ -23,11 +23,15 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..settings import ServeSettings
 from .errors import InternalError, InvalidRequest, QueueFull, Unavailable
 from .mlx_thread import MlxThread
 from .requests import Chunk, GenerateRequest
+
+if TYPE_CHECKING:  # the verifier imports MLX; the scheduler only passes its objects along
+    from .verifier import Active, Prepared
 
 log = logging.getLogger("sanctum.scheduler")
 
@@ -52,7 +56,10 @@ END = End()
 
 @dataclass
 class Ticket:
-    """One request's output queue, written by the worker thread, read by its handler."""
+    """The client's handle on one request in the scheduler, from `submit` to its end: its output
+    queue (written by the worker thread, read by its handler), cancel flag and deadline. It
+    holds the request as given, then the verifier's `Prepared` made from it (a reference: the
+    request is not converted again until the verifier turns it into an engine Sequence)."""
 
     request: GenerateRequest
     mode: str = "streaming"
@@ -61,7 +68,7 @@ class Ticket:
     # where the worker thread puts the items: a queue the handler reads, or any object with
     # `put` (the verifier actor's socket sink, cluster/events.py)
     items: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    prepared: object = None  # the verifier's Prepared, once a preparing thread made it
+    prepared: Prepared | None = None  # once a preparing thread made it
 
     @property
     def request_id(self) -> str:
@@ -114,10 +121,10 @@ class Scheduler:
         self.max_active, self.max_queue = max(1, max_active), max(0, max_queue)
         self._cv = threading.Condition()
         self._waiting: deque[Ticket] = deque()
-        self._active: dict[str, tuple[object, Ticket]] = {}
+        self._active: dict[str, tuple[Active, Ticket]] = {}
         self._preparing: set[str] = set()  # accepted, being tokenized: not yet _waiting
         self._opening: set[str] = set()  # admitted, being begun: not _waiting, not _active
-        self._prefilling: dict[str, tuple[object, Ticket]] = {}  # prompt tokens still to run
+        self._prefilling: dict[str, tuple[Active, Ticket]] = {}  # prompt tokens still to run
         self.prefill_slice = max(1, prefill_slice)
         self.prefill_slice_s = prefill_slice_s
         self._token_cost: dict[str, float] = {}  # request id -> seconds a token, its last slice
@@ -315,7 +322,7 @@ class Scheduler:
                 self.counters["cancelled"] += 1
                 self._finish(request_id, ticket)
 
-    def _close(self, act, save: bool = True) -> None:
+    def _close(self, act: Active, save: bool = True) -> None:
         try:
             self.verifier.close(act, save=save)
         except Exception:
@@ -336,7 +343,9 @@ class Scheduler:
             self._prefilling[rid] = (act, ticket)
             self._opening.discard(rid)
 
-    def _fail(self, request_id: str, act, ticket: Ticket, exc: Exception, where: str) -> None:
+    def _fail(
+        self, request_id: str, act: Active | None, ticket: Ticket, exc: Exception, where: str
+    ) -> None:
         """A request broke inside the engine: free its sequence if it has one (its cache is not
         saved), tell its caller (InternalError; the other requests go on)."""
         log.exception("request %s failed %s", request_id, where)
@@ -395,7 +404,7 @@ class Scheduler:
         for request_id, (act, ticket), chunk in zip(request_ids, entries, chunks):
             self._after_round(request_id, act, ticket, chunk)
 
-    def _after_round(self, request_id: str, act, ticket: Ticket, chunk: Chunk) -> None:
+    def _after_round(self, request_id: str, act: Active, ticket: Ticket, chunk: Chunk) -> None:
         ticket.items.put(chunk)
         if act.finished:
             self._close(act)

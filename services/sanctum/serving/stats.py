@@ -1,15 +1,66 @@
-"""What a backend reports about itself, as plain values: the serving counters (`Stats`), the
-prompt cache's (`CacheStats`) and its entries (`EntryInfo`). Field names are the public
-messages' (inference.proto StatsResponse, CacheStats, CacheEntryInfo), which wire/convert.py
-fills from these; between role processes they travel as they are.
+"""What a backend counts and reports about itself, as plain values. The verifier counts into one
+`Counters` as it serves; `Stats` is a snapshot of those counters with the scheduler's and the
+drafter channel's, the prompt cache's (`CacheStats`) and its entries (`EntryInfo`). The
+snapshots' field names are the public messages' (inference.proto StatsResponse, CacheStats,
+CacheEntryInfo), which wire/convert.py fills from these; between role processes they travel as
+they are, and the Prometheus collector (serving/metrics.py) reads `Stats` at scrape time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ..cache.store import PromptStore
 from ..settings import ServeSettings
+from .requests import Usage
+
+ROUND_PHASES = ("draft", "verify", "rollback", "other")
+
+
+@dataclass
+class Counters:
+    """The verifier's running totals since start, the one place they are counted (on the
+    model's thread). `snapshot` gives them as `Stats` fields; nothing else copies them."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    gated_steps: int = 0  # plain steps the speculation gate took instead of rounds
+    lookup_rounds: int = 0  # rounds whose drafts were read from the sequence (engine/lookup.py)
+    round_s: dict = field(
+        default_factory=lambda: dict.fromkeys(ROUND_PHASES, 0.0)
+    )  # seconds spent in each phase of a round, summed over rounds
+
+    def opened(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request resumed from the cache, its prompt about to be prefilled."""
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+
+    def add_round(self, s) -> None:
+        """One round of one request (its engine `RoundStats`)."""
+        self.rounds += 1
+        self.gated_steps += s.gated
+        self.lookup_rounds += s.looked_up
+        for phase in self.round_s:
+            self.round_s[phase] += getattr(s, f"{phase}_s")
+
+    def finished(self, usage: Usage) -> None:
+        """A request that reached its finish reason: its generated and drafted tokens."""
+        self.completion_tokens += usage.completion_tokens
+        self.drafted_tokens += usage.drafted_tokens
+        self.accepted_tokens += usage.accepted_tokens
+
+    def snapshot(self) -> dict:
+        """The totals by their `Stats` names; each phase's time as a mean over all rounds (ms)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "round_s"}
+        rounds = max(1, self.rounds)
+        out.update({f"round_{k}_ms": 1000.0 * v / rounds for k, v in self.round_s.items()})
+        return out
 
 
 @dataclass(frozen=True)
@@ -48,7 +99,8 @@ class EntryInfo:
 
 @dataclass(frozen=True)
 class Stats:
-    """Serving model, queue, decode and drafter-channel counters since start."""
+    """What the Stats RPC returns: the serving model's settings and a snapshot of its counters
+    since start (the verifier's `Counters`, the scheduler's queue, the drafter channel)."""
 
     model: str
     drafter: str  # empty: plain decoding
@@ -57,6 +109,7 @@ class Stats:
     mode: str  # inline | cluster
     active: int  # requests in progress
     waiting: int  # requests queued
+    # requests .. accepted_tokens, round_*_ms, gated_steps, lookup_rounds: Counters.snapshot
     requests: int
     prompt_tokens: int
     cached_tokens: int
@@ -91,8 +144,7 @@ class Stats:
 
 def serving_stats(mode: str, settings: ServeSettings, verifier, sched: dict, peer) -> Stats:
     """The verifier's and its scheduler's counters (`peer`: the remote drafter, None inline)."""
-    m, e = verifier.metrics, settings.engine
-    rounds = max(1, m.rounds)
+    e = settings.engine
     channel = {}
     if peer is not None:
         s = peer.summary()
@@ -112,23 +164,14 @@ def serving_stats(mode: str, settings: ServeSettings, verifier, sched: dict, pee
         mode=mode,
         active=sched["active"],
         waiting=sched["waiting"],
-        requests=m.requests,
-        prompt_tokens=m.prompt_tokens,
-        cached_tokens=m.cached_tokens,
-        completion_tokens=m.completion_tokens,
-        rounds=m.rounds,
-        drafted_tokens=m.drafted_tokens,
-        accepted_tokens=m.accepted_tokens,
         cancelled=sched["cancelled"],
         rejected=sched["rejected"],
         drafter_available=bool(e.drafter) and (peer is None or peer.available),
         transport="inline" if peer is None else peer.kind,
-        **{f"round_{k}_ms": 1000.0 * m.round_s[k] / rounds for k in m.round_s},
-        **channel,
         min_tau=verifier.decoder.min_tau,
         min_tau_sampled=verifier.decoder.min_tau_sampled,
-        gated_steps=m.gated_steps,
-        lookup_rounds=m.lookup_rounds,
+        **verifier.counters.snapshot(),
+        **channel,
     )
 
 

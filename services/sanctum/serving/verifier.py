@@ -33,6 +33,7 @@ from .requests import (
     longest_token_chars,
     validate,
 )
+from .stats import Counters
 
 log = logging.getLogger("sanctum.verifier")
 
@@ -82,7 +83,10 @@ class ReencodingWatch:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request ready for the model: what `Verifier.prepare` computed off the model's thread."""
+    """A request after its text work (validated, tokenized, chat rendered), done by
+    `Verifier.prepare` on any thread, without MLX. It waits on its scheduler `Ticket` for a
+    decoding slot; then its `Active` holds it for the request's life, so the request and its
+    prompt are converted once and referenced from then on, never copied."""
 
     req: GenerateRequest
     prompt_ids: list[int]
@@ -92,21 +96,24 @@ class Prepared:
 
 @dataclass
 class Active:
-    """One open request on the verifier."""
+    """One open request's live state on the model's thread, from `Verifier.begin` to `close`:
+    its engine `Sequence` (the request's one conversion into the engine's terms), text stream,
+    random key, usage so far and cache plan. What it was asked is its `prepared`'s."""
 
-    req: GenerateRequest
+    prepared: Prepared
     seq: Sequence
     stream: TextStream
     key: mx.array
     usage: Usage
-    prompt_ids: list[int]
-    message_starts: list[int]
     plan: ResumePlan
     captured: dict = field(default_factory=dict)  # rung position -> GDN states from prefill
     stops: tuple = ()  # where prefill must pause to capture a rung (absolute positions)
-    started: float = field(default_factory=time.perf_counter)
     watch: ReencodingWatch | None = None  # chat requests with a cache: see ReencodingWatch
     spec_rounds: int = 0  # speculative rounds (their block sizes may differ: adaptive width)
+
+    @property
+    def req(self) -> GenerateRequest:
+        return self.prepared.req
 
     @property
     def finished(self) -> bool:
@@ -115,32 +122,7 @@ class Active:
     @property
     def prompt_left(self) -> int:
         """Prompt tokens still to prefill."""
-        return len(self.prompt_ids) - len(self.seq.cached_tokens)
-
-
-@dataclass
-class Metrics:
-    """Counters since start (exposed by the API's stats)."""
-
-    requests: int = 0
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    rounds: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    gated_steps: int = 0  # plain steps the speculation gate took instead of rounds
-    lookup_rounds: int = 0  # rounds whose drafts were read from the sequence (engine/lookup.py)
-    round_s: dict = field(
-        default_factory=lambda: {"draft": 0.0, "verify": 0.0, "rollback": 0.0, "other": 0.0}
-    )  # seconds spent in each phase of a round, summed over rounds
-
-    def add_round(self, s) -> None:
-        self.rounds += 1
-        self.gated_steps += s.gated
-        self.lookup_rounds += s.looked_up
-        for phase in self.round_s:
-            self.round_s[phase] += getattr(s, f"{phase}_s")
+        return len(self.prepared.prompt_ids) - len(self.seq.cached_tokens)
 
 
 class Verifier:
@@ -171,7 +153,7 @@ class Verifier:
             longest_token_chars(target.tokenizer),
         )
         self.eos_ids = set(target.tokenizer.eos_token_ids)
-        self.metrics = Metrics()
+        self.counters = Counters()  # since start: read by Stats (serving_stats)
         self.model_id = str(target.path) if target.path else f"model-{id(target):x}"
 
     def model_key(self, kv_mode: str) -> str:
@@ -245,17 +227,7 @@ class Verifier:
             kv=kv,
             mode=mode,
         )
-        act = Active(
-            req,
-            seq,
-            stream,
-            make_key(req.seed),
-            usage,
-            prompt_ids,
-            starts,
-            plan,
-            started=prep.started,
-        )
+        act = Active(prep, seq, stream, make_key(req.seed), usage, plan)
         if self.store is not None:
             act.stops = prefill_stops(self.ladder_depth, len(prompt_ids), plan.resumed_at, starts)
         if cached and req.messages is not None:
@@ -272,28 +244,26 @@ class Verifier:
             plan.resumed_at,
             usage.cache_hit_ratio,
         )
-        self.metrics.requests += 1
-        self.metrics.prompt_tokens += len(prompt_ids)
-        self.metrics.cached_tokens += plan.resumed_at
+        self.counters.opened(len(prompt_ids), plan.resumed_at)
         return act
 
     def prefill_some(self, act: Active, budget: int | None = None) -> Chunk | None:
         """Prefill up to `budget` more prompt tokens (None: all); once the prompt is done,
         commit the first token and return its chunk (None while prompt tokens remain)."""
-        seq = act.seq
+        seq, prompt_ids = act.seq, act.prepared.prompt_ids
         done = len(seq.cached_tokens)
-        end = len(act.prompt_ids) if budget is None else min(len(act.prompt_ids), done + budget)
+        end = len(prompt_ids) if budget is None else min(len(prompt_ids), done + budget)
 
         def capture(position: int) -> None:  # prefill paused at a rung: its GDN states
             act.captured[position] = self.target.recurrent_state(seq.cache)
 
-        last = end == len(act.prompt_ids)
-        logits = self.decoder.prefill(seq, act.prompt_ids[done:end], act.stops, capture, last)
-        if end < len(act.prompt_ids):
+        last = end == len(prompt_ids)
+        logits = self.decoder.prefill(seq, prompt_ids[done:end], act.stops, capture, last)
+        if end < len(prompt_ids):
             return None
         act.key, sub = mx.random.split(act.key)
         step = self.decoder.start(seq, logits, sub)
-        act.usage.ttft_s = round(time.perf_counter() - act.started, 6)
+        act.usage.ttft_s = round(time.perf_counter() - act.prepared.started, 6)
         return self._chunk(act, step)
 
     def step(self, act: Active) -> Chunk:
@@ -318,7 +288,7 @@ class Verifier:
             act.watch.observe(self.decoder, act.seq, before, step)
         s = step.stats
         act.usage.rounds += 1
-        self.metrics.add_round(s)
+        self.counters.add_round(s)
         if s.bs > 1:
             act.usage.drafted_tokens += s.bs - 1
             act.usage.accepted_tokens += s.accepted
@@ -358,7 +328,7 @@ class Verifier:
             return ResumePlan(0, 0)
 
     def _save(self, act: Active) -> None:
-        seq = act.seq
+        seq, prep = act.seq, act.prepared
         end = len(seq.cached_tokens)
         captured = {**act.captured, end: self.target.recurrent_state(seq.cache)}
         next_turn_end = act.watch.position if act.watch is not None else None
@@ -366,9 +336,9 @@ class Verifier:
             captured[next_turn_end] = act.watch.state
         rungs = choose_rungs(
             self.ladder_depth,
-            len(act.prompt_ids),
+            len(prep.prompt_ids),
             end,
-            act.message_starts,
+            prep.message_starts,
             captured,
             act.plan.rungs,
             next_turn_end,
@@ -386,7 +356,7 @@ class Verifier:
             seq.cached_tokens,
             rungs,
             taps,
-            len(act.prompt_ids),
+            len(prep.prompt_ids),
         )
         self.store.put(entry)
 
@@ -405,9 +375,7 @@ class Verifier:
             chunk.text += act.stream.finish()
             chunk.finish_reason = step.finish_reason
             usage.tau = round(acceptance_length(usage.accepted_tokens, act.spec_rounds) or 0.0, 4)
-            usage.elapsed_s = round(time.perf_counter() - act.started, 6)
+            usage.elapsed_s = round(time.perf_counter() - act.prepared.started, 6)
             chunk.usage = usage
-            self.metrics.completion_tokens += usage.completion_tokens
-            self.metrics.drafted_tokens += usage.drafted_tokens
-            self.metrics.accepted_tokens += usage.accepted_tokens
+            self.counters.finished(usage)
         return chunk
