@@ -129,3 +129,16 @@ def test_round_trace_times_and_counts_each_piece(make_pair, capsys):
     growth = out["growth_vs_one"]
     assert growth["attention"]["nodes"][1] > 1  # its cache part runs once per sequence
     assert (batch.attention_over, batch._gdn_batch, batch._add_contexts) == real
+
+
+def test_bench_seed_build_only_prints_the_pair(tmp_path, capsys):
+    """bench seed --build-only: the seed-shaped checkpoints built once, their dirs printed
+    for the other benches' --model / --drafter (deploy/gpu/concurrency.sh)."""
+    from sanctum.cli import main
+
+    argv = ["bench", "seed", "--build-only", "--scale", "small", "--layers", "2",
+            "--dir", str(tmp_path), "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (tmp_path / out["target"]).joinpath("complete").is_file()
+    assert (tmp_path / out["drafter"]).joinpath("complete").is_file()

@@ -195,15 +195,12 @@ def steady(args, levels: list[int]) -> dict:
             rows[-1]["phases_ms"] = phases
         if ops is not None:
             rows[-1]["ops"] = ops
-        if args.lines:  # each level as it ends: a run cut short keeps the levels it measured
-            print(json.dumps(rows[-1]), flush=True)
-    base = rows[0]
-    for row in rows:
+        base, row = rows[0], rows[-1]  # levels ascend from one sequence
         row["tok_s_vs_one"] = round(row["tok_s"] / base["tok_s"], 2) if base["tok_s"] else None
-        if "ops" in row and base["ops"]["nodes_per_round"]:
-            row["ops"]["nodes_vs_one"] = round(
-                row["ops"]["nodes_per_round"] / base["ops"]["nodes_per_round"], 2
-            )
+        if ops is not None and base["ops"]["nodes_per_round"]:
+            ops["nodes_vs_one"] = round(ops["nodes_per_round"] / base["ops"]["nodes_per_round"], 2)
+        if args.lines:  # each level as it ends: a run cut short keeps the levels it measured
+            print(json.dumps(row), flush=True)
     return {
         "mode": "steady rounds",
         "rounds": args.steady,
