@@ -9,12 +9,16 @@ prefill or tails (`steady`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import statistics
 import threading
 import time
 from dataclasses import replace
+
+from .neartie import NEAR_TIE, near_tie_verdict, top_two_margins, worst
+from .opcount import count_ops, per_round
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -73,12 +77,23 @@ def add_parser(bsub) -> None:
         "(draft, verify, rollback, the rest), for the round's split; slower rounds",
     )
     p.add_argument(
+        "--count-ops",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="with --steady: ROUNDS more rounds at each concurrency with the evaluations and "
+        "graph nodes they hand to MLX counted (bench/opcount.py)",
+    )
+    p.add_argument(
         "--warm-rounds",
         type=int,
         default=WARM_ROUNDS,
         metavar="ROUNDS",
         help="with --steady: untimed rounds at each concurrency before the timed ones (on the "
         "H200 a process's first run had not settled after 3 + 8 rounds; a second run had)",
+    )
+    p.add_argument(
+        "--lines", action="store_true", help="with --steady: a JSON line per level as it ends"
     )
     p.add_argument("--json", action="store_true")
 
@@ -117,35 +132,27 @@ def steady(args, levels: list[int]) -> dict:
     `args.warm_rounds` rounds untimed, then `args.steady` rounds timed. Per level: ms a round
     (mean; and min, median, max), tokens a round (all the sequences'), tok/s and its ratio to
     one sequence's, tau, MLX's peak memory, and with `--phases` the split of a round
-    (`_phases`); every sequence's tokens checked against plain greedy decoding of its
-    prompt."""
+    (`_phases`), with `--count-ops` what a round hands to MLX (`count_rounds`); every
+    sequence's tokens checked against plain greedy decoding of its prompt, equal or equal up
+    to the plain run's first near tie (neartie.py)."""
     import mlx.core as mx
 
     from ..engine.peer import LocalDraftPeer
     from ..engine.rounds import BatchDecoder
-    from ..engine.sampling import SamplingParams
     from ..engine.speculative import make_key
     from ..serving.inline import load_models
     from ..settings import engine_settings, model_flags
-    from .decode import _run_once
 
     settings = engine_settings(**model_flags(args))
     target, drafter = load_models(settings)
     if drafter is None:
         raise ValueError("bench batch --steady needs a drafter")
     decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter), settings.block_size)
-    rounds = args.warm_rounds + args.steady + args.phases
-    budget = (rounds + 1) * decoder.block_size + 1  # no sequence ends
+    rounds = args.warm_rounds + args.steady + args.phases + args.count_ops
+    budget = steady_budget(rounds, decoder.block_size)
     key, rows = make_key(0), []
     for n in levels:
-        prompts = [target.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
-        seqs = [
-            decoder.new_sequence(f"steady-{n}-{i}", settings.kv_mode, SamplingParams(), budget)
-            for i in range(n)
-        ]
-        out = []  # each sequence's tokens
-        for seq, prompt in zip(seqs, prompts):
-            out.append(list(decoder.start(seq, decoder.prefill(seq, prompt), key).tokens))
+        prompts, seqs, out = open_level(decoder, settings, n, budget, key)
         accepted: list[int] = []
         for _ in range(args.warm_rounds):
             _round(decoder, seqs, key, out, None)
@@ -161,12 +168,11 @@ def steady(args, levels: list[int]) -> dict:
         peak = mx.get_peak_memory()
         made = sum(map(len, out)) - before
         phases = _phases(decoder, seqs, key, out, args.phases) if args.phases else None
+        ops = count_rounds(decoder, seqs, key, out, args.count_ops) if args.count_ops else None
+        finished = sum(seq.finished is not None for seq in seqs)
         for seq in seqs:
             decoder.close(seq)
-        same = all(
-            _run_once(target, None, prompt, len(tokens), settings)[0] == tokens
-            for prompt, tokens in zip(prompts, out)
-        )
+        verdicts = plain_verdicts(target, settings, prompts, out)
         rows.append(
             {
                 "concurrency": n,
@@ -178,21 +184,81 @@ def steady(args, levels: list[int]) -> dict:
                 "tok_s": round(made / wall, 1),
                 "tau": round(sum(accepted) / max(1, len(accepted)), 3),
                 "peak_memory_gb": round(peak / 2**30, 2),  # MLX's, over the timed rounds
-                "outputs_equal_plain": same,
+                # sequences that ended before the last measured round (their budget or the
+                # context): the rounds after were narrower than `concurrency`
+                "sequences_finished": finished,
+                "outputs_equal_plain": all(v["verdict"] == "equal" for v in verdicts),
+                "equality": worst([v["verdict"] for v in verdicts]),
+                "equality_per_sequence": verdicts,
             }
         )
         if phases is not None:
             rows[-1]["phases_ms"] = phases
-    for row in rows:
-        row["tok_s_vs_one"] = round(row["tok_s"] / rows[0]["tok_s"], 2)
+        if ops is not None:
+            rows[-1]["ops"] = ops
+        base, row = rows[0], rows[-1]  # levels ascend from one sequence
+        row["tok_s_vs_one"] = round(row["tok_s"] / base["tok_s"], 2) if base["tok_s"] else None
+        if ops is not None and base["ops"]["nodes_per_round"]:
+            ops["nodes_vs_one"] = round(ops["nodes_per_round"] / base["ops"]["nodes_per_round"], 2)
+        if args.lines:  # each level as it ends: a run cut short keeps the levels it measured
+            print(json.dumps(row), flush=True)
     return {
         "mode": "steady rounds",
         "rounds": args.steady,
         "warm_rounds": args.warm_rounds,
         "block_size": decoder.block_size,
+        "near_tie_logits": NEAR_TIE,
         "levels": rows,
         "all_outputs_equal_plain": all(r["outputs_equal_plain"] for r in rows),
+        "equality": worst([r["equality"] for r in rows]),
     }
+
+
+def steady_budget(rounds: int, block_size: int) -> int:
+    """max_tokens of a steady sequence: no sequence ends within `rounds` rounds. A round
+    commits up to its block, and a looked-up block can be wider than the drafter's."""
+    from ..engine.speculative import LOOKUP_MAX_WIDTH
+
+    return 1 + rounds * max(block_size, LOOKUP_MAX_WIDTH)
+
+
+def open_level(decoder, settings, n: int, budget: int, key) -> tuple[list, list, list]:
+    """N greedy sequences of the first N prompts, prefilled and started: (prompt ids,
+    sequences, each sequence's tokens so far)."""
+    from ..engine.sampling import SamplingParams
+
+    target = decoder.target
+    prompts = [target.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
+    seqs = [
+        decoder.new_sequence(f"steady-{n}-{i}", settings.kv_mode, SamplingParams(), budget)
+        for i in range(n)
+    ]
+    out = []
+    for seq, prompt in zip(seqs, prompts):
+        out.append(list(decoder.start(seq, decoder.prefill(seq, prompt), key).tokens))
+    return prompts, seqs, out
+
+
+def plain_verdicts(target, settings, prompts: list, outs: list) -> list[dict]:
+    """Each output against plain greedy decoding of its prompt, to as many tokens
+    (neartie.py): the equal prefix, the plain run's first near tie, the verdict."""
+    from .decode import _run_once
+
+    verdicts = []
+    for prompt, tokens in zip(prompts, outs):
+        plain = _run_once(target, None, prompt, len(tokens), settings)[0]
+        margins = [] if plain == tokens else top_two_margins(target, prompt, plain)
+        same, tie, verdict = near_tie_verdict(plain, margins, tokens)
+        verdicts.append({"equal_prefix": same, "first_near_tie": tie, "verdict": verdict})
+    return verdicts
+
+
+def count_rounds(decoder, seqs: list, key, out: list[list[int]], rounds: int) -> dict:
+    """`rounds` more rounds with what they hand to MLX counted (opcount.py), per round."""
+    with count_ops() as tally:
+        for _ in range(rounds):
+            _round(decoder, seqs, key, out, None)
+    return per_round(tally, rounds)
 
 
 def _phases(decoder, seqs: list, key, out: list[list[int]], rounds: int) -> dict:
@@ -215,28 +281,30 @@ def _phases(decoder, seqs: list, key, out: list[list[int]], rounds: int) -> dict
 
 def _round(decoder, seqs: list, key, out: list[list[int]], accepted: list[int] | None) -> list:
     """One round of every sequence (shared, or one's own `step`), its tokens appended to
-    `out`; with `accepted`, each speculative round's committed tokens too. Returns the steps."""
-    if len(seqs) > 1:
-        steps = decoder.step_batch(seqs, [key] * len(seqs))
+    `out`; with `accepted`, each speculative round's committed tokens too. A finished
+    sequence sits out. Returns the steps."""
+    live = [n for n, seq in enumerate(seqs) if seq.finished is None]
+    if len(live) > 1:
+        steps = decoder.step_batch([seqs[n] for n in live], [key] * len(live))
     else:
-        steps = [decoder.step(seqs[0], key)]
-    for tokens, step in zip(out, steps):
-        tokens += step.tokens
+        steps = [decoder.step(seqs[n], key) for n in live]
+    for n, step in zip(live, steps):
+        out[n] += step.tokens
         if accepted is not None and step.stats is not None and step.stats.bs > 1:
             accepted.append(step.stats.accepted + 1)
     return steps
 
 
 def run(args) -> dict:
-    if args.phases and not args.steady:
-        raise ValueError("--phases splits --steady's rounds: give --steady ROUNDS too")
+    if (args.phases or args.count_ops) and not args.steady:
+        raise ValueError("--phases and --count-ops run after --steady's rounds: give --steady")
     if args.steady:
         if args.cluster or args.temperature:
             raise ValueError(
                 "--steady times the engine's greedy rounds: no --cluster, no --temperature"
             )
-        if args.phases < 0:
-            raise ValueError(f"--phases must be >= 0, got {args.phases}")
+        if min(args.phases, args.count_ops, args.warm_rounds) < 0 or args.steady < 0:
+            raise ValueError("--steady, --phases, --count-ops and --warm-rounds must be >= 0")
         return steady(args, sorted({int(c) for c in args.concurrency.split(",")} | {1}))
     from ..serving.inline import InlineBackend
     from ..serving.requests import GenerateRequest

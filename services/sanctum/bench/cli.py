@@ -43,6 +43,9 @@ def register(sub) -> None:
     from .batch import add_parser as add_batch
 
     add_batch(bsub)
+    from .roundtrace import add_parser as add_round_trace
+
+    add_round_trace(bsub)
     t = bsub.add_parser("tau", help="tau and speculative/plain tok/s per context length")
     add_model_flags(t)
     t.add_argument(
@@ -111,6 +114,13 @@ def batch(args) -> dict:
     return run(args)
 
 
+def round_trace(args) -> dict:
+    """A shared round's pieces timed and op-counted by concurrency (bench/roundtrace.py)."""
+    from .roundtrace import run
+
+    return run(args)
+
+
 def seed(args) -> dict:
     """The seed's shapes on random weights (bench/seed.py)."""
     from .seed import seed as run
@@ -148,6 +158,7 @@ BENCHES = {
     "abuse": abuse,
     "http": http,
     "batch": batch,
+    "round-trace": round_trace,
     "seed": seed,
     "cuda": cuda,
     "cache-size": cache_size,

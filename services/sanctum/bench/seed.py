@@ -344,6 +344,8 @@ def seed(args) -> dict:
         print(f"[seed {time.perf_counter() - began:.0f}s] {msg}", file=sys.stderr, flush=True)
 
     target_dir, drafter_dir, build_s = ensure(root, shape, say, with_drafter=not args.plain_only)
+    if args.build_only:  # the checkpoints for other benches (`--model`, `--drafter`)
+        return {"target": str(target_dir), "drafter": str(drafter_dir), "build_s": build_s}
     t0 = time.perf_counter()
     target = load_target(target_dir)
     drafter = None
@@ -463,5 +465,10 @@ def add_parser(bsub) -> None:
         "--plain-only",
         action="store_true",
         help="no drafter: plain vs mlx-lm and verify/decode only (an A/B of MLX settings)",
+    )
+    s.add_argument(
+        "--build-only",
+        action="store_true",
+        help="build (or find) the checkpoints, print their dirs",
     )
     s.add_argument("--json", action="store_true")

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Shared rounds at 1, 4 and 8 sequences in one command. From the repository root, on a machine
+# with MLX's CUDA backend and mlx-lm (PYTHONPATH set by this script):
+#
+#   deploy/gpu/concurrency.sh [OUT_DIR]
+#
+# Every figure is one JSON line appended to $OUT/concurrency.jsonl as soon as it is measured,
+# tagged with its step ("step"), so a run cut short keeps what it measured; each step's stderr
+# goes to $OUT/STEP.err, and $OUT/steps.txt says how each step ended. Steps, most important
+# first, each under its own `timeout` (a hang costs that step only):
+#   build        the seed-shaped pair (bench seed --build-only; reused under SEED_DIR)
+#   seed-steady  bench batch --steady at 1,4,8 on it: round ms, tok/s vs one, the phases, the
+#                op counts, every output judged against plain greedy (near-tie verdicts)
+#   seed-trace   bench round-trace at 1,4,8 on it: each piece of a round timed and op-counted
+#   default-steady  the same as seed-steady on the default pair
+#   default-served  bench batch --concurrency 1,4,8 --warm on the default pair, served inline
+# MLX builds its CUDA kernels at first use (~150 s on a fresh machine), kept under
+# MLX_PTX_CACHE_DIR for later runs. A step starts only while DEADLINE (default 530) seconds
+# have not passed. QUICK=1 shrinks everything (the small seed shape at 2 layers, few rounds):
+# a smoke run on a CPU. Knobs: SEED_LAYERS (default 64: the seed's depth), SEED_DIR, PYTHON,
+# DEADLINE, ROUNDS (timed steady rounds), WARM (untimed rounds).
+set -uo pipefail
+out=${1:-${OUT:-/tmp/sanctum-concurrency}}
+py=${PYTHON:-python3}
+seed_dir=${SEED_DIR:-$HOME/.cache/sanctum/seed}
+deadline=${DEADLINE:-530}
+mkdir -p "$out"
+lines="$out/concurrency.jsonl"
+: > "$out/steps.txt"
+export PYTHONPATH="$PWD/services${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/.cache/sanctum/cuda-ptx}
+if [ "${QUICK:-0}" = 1 ]; then
+  seed_args=(--scale small --layers "${SEED_LAYERS:-2}")
+  rounds=${ROUNDS:-2} warm=${WARM:-1} phases=1 count=1 passes=1 tokens=16
+else
+  seed_args=(--scale seed --layers "${SEED_LAYERS:-64}")
+  rounds=${ROUNDS:-8} warm=${WARM:-4} phases=4 count=2 passes=2 tokens=64
+fi
+bench=("$py" -m sanctum.cli bench)
+# each JSON line of stdin, tagged with its step, appended to $lines
+tag=("$py" -c 'import json, sys
+for line in sys.stdin:
+    if line.startswith("{"):
+        print(json.dumps({"step": sys.argv[1], **json.loads(line)}), flush=True)')
+
+step() {  # step NAME SECONDS COMMAND...: at most SECONDS (and the deadline)
+  local name=$1 limit=$2 t0=$SECONDS rc left
+  shift 2
+  left=$((deadline - SECONDS))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 20 ]; then
+    echo "{\"step\": \"$name\", \"skipped\": \"${left}s left of the deadline\"}" >> "$lines"
+    echo "$name skipped" | tee -a "$out/steps.txt"
+    return
+  fi
+  timeout "$limit" "$@" 2> "$out/$name.err" | "${tag[@]}" "$name" >> "$lines"
+  rc=${PIPESTATUS[0]}
+  echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$out/steps.txt"
+  if [ "$rc" -ne 0 ]; then
+    echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" >> "$lines"
+    tail -n 5 "$out/$name.err"
+  fi
+}
+
+"$py" -c 'import json, sys, mlx.core as mx, mlx_lm
+print(json.dumps({"python": sys.version.split()[0], "mlx": mx.__version__,
+                  "device": str(mx.default_device()), "mlx_lm": mlx_lm.__version__}))' \
+  | "${tag[@]}" env >> "$lines"
+
+step build 300 "${bench[@]}" seed --build-only --json --dir "$seed_dir" "${seed_args[@]}"
+pair=$("$py" -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if "\"build\"" in l and "target" in l]
+print(rows[-1]["target"], rows[-1]["drafter"]) if rows else None' "$lines")
+steady=(--steady "$rounds" --warm-rounds "$warm" --phases "$phases" --count-ops "$count"
+  --concurrency 1,4,8 --lines)
+if [ -n "$pair" ]; then
+  read -r target drafter <<< "$pair"
+  step seed-steady 240 "${bench[@]}" batch --model "$target" --drafter "$drafter" "${steady[@]}"
+  step seed-trace 150 "${bench[@]}" round-trace --model "$target" --drafter "$drafter" \
+    --passes "$passes" --warm-rounds "$warm" --lines
+fi
+step default-steady 120 "${bench[@]}" batch "${steady[@]}"
+step default-served 150 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --json
+echo "figures: $lines"

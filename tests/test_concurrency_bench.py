@@ -1,0 +1,144 @@
+"""The shared-round benches' own parts: op counting (bench/opcount.py), the round trace
+(bench/roundtrace.py), equality up to the first near tie (bench/neartie.py) and `bench batch
+--steady` when sequences end inside the measured rounds."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from sanctum.bench.neartie import NEAR_TIE, near_tie_verdict, top_two_margins, worst
+from sanctum.bench.opcount import count_ops, graph_ops
+
+
+def test_count_ops_counts_evaluations_reads_and_the_nodes_handed_over():
+    """Explicit evaluations with their graphs' nodes, host reads, and among those the reads
+    that evaluated a graph; each node counted once; MLX and numpy restored after."""
+    real = (mx.eval, mx.async_eval, mx.array.item, np.array)
+    a = mx.array([1.0, 2.0])
+    mx.eval(a)
+    with count_ops() as tally:
+        b = (a * 2 + 1).sum()
+        want = sum(graph_ops(b).values())
+        mx.eval(b)
+        b.item()  # evaluated: a read, not an evaluation
+        c = a - 3
+        mx.async_eval(c)
+        c.tolist()  # queued: waits, computes nothing more
+        d = a * a
+        extra = sum(graph_ops(d).values())
+        np.array(d)  # an implicit evaluation
+        (a + 5).sum().item()  # another
+    assert want > 0 and extra > 0
+    assert tally.evals == 2 and tally.reads == 4 and tally.implicit_evals == 2
+    same = [(a - 3), (a + 5).sum()]  # the other two graphs again, to count them
+    assert tally.nodes == want + extra + sum(sum(graph_ops(x).values()) for x in same)
+    assert sum(tally.nodes_by_phase.values()) == tally.nodes  # not from the engine: "other"
+    assert (mx.eval, mx.async_eval, mx.array.item, np.array) == real
+
+
+def test_near_tie_verdict():
+    plain = [5, 6, 7, 8]
+    margins = [3.0, 2.0, NEAR_TIE, 4.0]  # a near tie at position 2
+    assert near_tie_verdict(plain, margins, [5, 6, 7, 8]) == (4, 2, "equal")
+    assert near_tie_verdict(plain, margins, [5, 6, 9, 1]) == (2, 2, "equal-up-to-near-tie")
+    assert near_tie_verdict(plain, margins, [5, 6, 7, 1]) == (3, 2, "equal-up-to-near-tie")
+    assert near_tie_verdict(plain, margins, [5, 1, 7, 8]) == (1, 2, "differs")
+    assert near_tie_verdict(plain, [9.0] * 4, [5, 6, 7, 1]) == (3, None, "differs")
+    assert near_tie_verdict(plain, margins, [5, 6, 7]) == (3, 2, "equal-up-to-near-tie")
+    assert near_tie_verdict(plain, [9.0] * 4, [5, 6, 7]) == (3, None, "differs")
+    assert worst(["equal", "differs", "equal-up-to-near-tie"]) == "differs"
+    assert worst([]) == "equal"
+
+
+def test_top_two_margins_come_from_one_forward(make_pair):
+    from sanctum.engine.target import load_target
+
+    target = load_target(make_pair("hybrid", "dflash")[0])
+    prompt, completion = [3, 4, 5, 6], [7, 8, 9]
+    margins = top_two_margins(target, prompt, completion)
+    logits, _ = target.forward(mx.array(prompt + completion[:2]), target.make_cache())
+    top = mx.sort(logits[len(prompt) - 1 :].astype(mx.float32), axis=-1)[:, -2:]
+    assert margins == pytest.approx((top[:, 1] - top[:, 0]).tolist(), abs=1e-5)
+    assert top_two_margins(target, prompt, []) == []
+
+
+def _steady(make_pair, capsys, *flags) -> dict:
+    from sanctum.cli import main
+
+    target_dir, drafter_dir = make_pair("hybrid", "dflash")
+    argv = ["bench", "batch", "--model", str(target_dir), "--drafter", str(drafter_dir),
+            "--steady", "2", "--warm-rounds", "1", "--concurrency", "2", "--json", *flags]  # fmt: skip
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_bench_batch_steady_counts_ops_and_judges_equality(make_pair, capsys):
+    """--count-ops: evaluations and nodes a round at each level, filed by phase and call
+    site; on the CPU every output equals plain greedy decoding exactly."""
+    out = _steady(make_pair, capsys, "--count-ops", "2")
+    assert out["equality"] == "equal" and out["all_outputs_equal_plain"]
+    for row in out["levels"]:
+        ops = row["ops"]
+        assert ops["evals_per_round"] >= 1 and ops["nodes_per_round"] > 0
+        assert sum(ops["nodes_by_phase"].values()) == pytest.approx(ops["nodes_per_round"], 0.01)
+        assert "rollback" in ops["nodes_by_phase"]
+        assert all(v["verdict"] == "equal" for v in row["equality_per_sequence"])
+        assert row["sequences_finished"] == 0
+    assert out["levels"][0]["ops"]["nodes_vs_one"] == 1.0
+
+
+def test_bench_batch_steady_budget_outlives_its_rounds_and_reports_early_ends(
+    make_pair, capsys, monkeypatch
+):
+    """A steady sequence's budget covers every round at the widest block a round can commit
+    (a looked-up one); sequences that end anyway sit out, are counted, and no figure divides
+    by the zero tokens they make."""
+    from sanctum.bench import batch
+    from sanctum.engine.speculative import LOOKUP_MAX_WIDTH
+
+    assert batch.steady_budget(48, 8) >= 1 + 48 * max(8, LOOKUP_MAX_WIDTH)
+    monkeypatch.setattr(batch, "steady_budget", lambda rounds, block: 2)
+    out = _steady(make_pair, capsys)
+    for row in out["levels"]:
+        assert row["sequences_finished"] == row["concurrency"]
+        assert row["tokens_per_round"] == 0 and row["tok_s"] == 0
+    assert out["levels"][0]["tok_s_vs_one"] is None
+
+
+def test_round_trace_times_and_counts_each_piece(make_pair, capsys):
+    """bench round-trace: every piece of a shared round at each level, with nodes; the
+    engine's functions are its own again afterwards."""
+    from sanctum.cli import main
+    from sanctum.engine import batch
+
+    real = (batch.attention_over, batch._gdn_batch, batch._add_contexts)
+    target_dir, drafter_dir = make_pair("hybrid", "dflash")
+    argv = ["bench", "round-trace", "--model", str(target_dir), "--drafter", str(drafter_dir),
+            "--concurrency", "3", "--passes", "1", "--warm-rounds", "1", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["concurrency"] for r in out["levels"]] == [1, 3]
+    pieces = {"attention", "gdn", "residual_mlp", "lm_head", "verify_rest", "rollback"}
+    pieces |= {"drafter_context", "drafter_body", "drafter_head"}
+    for row in out["levels"]:
+        assert set(row["pieces"]) == pieces
+        assert all(p["nodes"] > 0 and p["calls"] >= 1 for p in row["pieces"].values())
+    growth = out["growth_vs_one"]
+    assert growth["attention"]["nodes"][1] > 1  # its cache part runs once per sequence
+    assert (batch.attention_over, batch._gdn_batch, batch._add_contexts) == real
+
+
+def test_bench_seed_build_only_prints_the_pair(tmp_path, capsys):
+    """bench seed --build-only: the seed-shaped checkpoints built once, their dirs printed
+    for the other benches' --model / --drafter (deploy/gpu/concurrency.sh)."""
+    from sanctum.cli import main
+
+    argv = ["bench", "seed", "--build-only", "--scale", "small", "--layers", "2",
+            "--dir", str(tmp_path), "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (tmp_path / out["target"]).joinpath("complete").is_file()
+    assert (tmp_path / out["drafter"]).joinpath("complete").is_file()
