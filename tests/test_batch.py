@@ -10,13 +10,13 @@ import mlx.core as mx
 import pytest
 from helpers import NO_GATE
 from mlx_lm.models.cache import QuantizedKVCache
-from sanctum.engine import rounds
-from sanctum.engine.attention import _SPLIT_ATTENTION, attention_over
-from sanctum.engine.batch import verify_batch
-from sanctum.engine.rounds import BatchDecoder
-from sanctum.engine.sampling import SamplingParams
-from sanctum.engine.speculative import LocalDraftPeer, generate, make_key
-from sanctum.engine.target import DequantizedView, cache_offset
+from sanctum.engine.decode import rounds
+from sanctum.engine.decode.batch import verify_batch
+from sanctum.engine.decode.rounds import BatchDecoder
+from sanctum.engine.decode.sampling import SamplingParams
+from sanctum.engine.decode.speculative import LocalDraftPeer, generate, make_key
+from sanctum.engine.model.attention import _SPLIT_ATTENTION, attention_over
+from sanctum.engine.model.target import DequantizedView, cache_offset
 from test_engine import load_pair, tokens_of
 
 PROMPTS = [
@@ -102,8 +102,8 @@ def test_split_attention_equals_mlx_lm_module_per_sequence(
     """The batched projections + per-sequence cache part give each sequence what mlx-lm's own
     module gives it on its own cache (ragged lengths, fp16 and 8-bit KV, q/k/v fused or not),
     caches included."""
-    from sanctum.engine import fused
-    from sanctum.engine.target import load_target
+    from sanctum.engine.model import fused
+    from sanctum.engine.model.target import load_target
 
     if fused_qkv:  # an own copy: the shared one keeps mlx-lm's layers
         target = load_target(make_pair(kind, "dflash")[0])
@@ -163,7 +163,8 @@ def test_a_block_padded_at_its_end_verifies_and_rolls_back_as_alone(
     """A narrower block padded to the batch's width: its real rows' logits and taps are the
     solo verify's, and a rollback to any keep <= its width drops the padded rows' KV and GDN
     states (the next token's logits are a fresh forward's), on both kinds of GDN tape."""
-    from sanctum.engine import gdn, gdn_cuda
+    from sanctum.engine.kernels import gdn_cuda
+    from sanctum.engine.model import gdn
 
     if tape == "row_states":  # the CUDA kernel's taped variant, through its pure-MLX stand-in
         monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
@@ -210,7 +211,8 @@ def test_batched_rollback_equals_a_rollback_per_sequence(make_pair, monkeypatch,
     """`Target.rollback_batch` after a shared verify (fp16 and 8-bit KV, a padded block) leaves
     every cache exactly as a rollback per sequence does, for every mix of keeps, on both kinds
     of GDN tape; the sequences' own tapes still roll back further afterwards."""
-    from sanctum.engine import gdn, gdn_cuda
+    from sanctum.engine.kernels import gdn_cuda
+    from sanctum.engine.model import gdn
 
     if tape == "row_states":  # the CUDA kernel's taped variant, through its pure-MLX stand-in
         monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
@@ -399,7 +401,7 @@ def test_scheduler_batches_concurrent_requests_each_as_served_alone(make_pair):
 
 
 def test_a_drafter_that_is_down_turns_the_batch_into_plain_steps(make_pair):
-    from sanctum.engine.peer import DraftUnavailable
+    from sanctum.engine.decode.peer import DraftUnavailable
 
     target, drafter = load_pair(make_pair, "hybrid", "dflash")
 
@@ -491,7 +493,7 @@ def test_blocks_padded_to_the_matrix_kernel_rows_decode_as_unpadded(make_pair, m
     MLX's matrix kernel, which a batch reaches anyway). Forced here on the CPU: every acceptance
     at widths 2-8 (adaptive width) gives the target's greedy output, solo and batched, and the
     padded rows never reach a cache."""
-    from sanctum.engine import cuda
+    from sanctum.engine.kernels import cuda
 
     target, drafter = load_pair(make_pair, "hybrid", "dflash")
     kvs = ["fp16", "q8", "fp16"]
@@ -524,7 +526,7 @@ def test_steady_drafts_of_a_batch_run_as_one_compiled_stack_equal_to_alone(make_
     equal drafting it alone (to float32 rounding: OpenBLAS's products of 48 rows and of 16 can
     round differently, as in the op-by-op batch), and greedy and seeded sampled outputs equal
     alone."""
-    from sanctum.engine.drafter import load_drafter
+    from sanctum.engine.model.drafter import load_drafter
     from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
 
     target_dir, _ = make_pair("hybrid", "dflash")
@@ -568,8 +570,8 @@ def test_padded_drafts_of_a_batch_group_by_bucket_and_equal_alone(make_pair, tmp
     """Before the windows fill (PAD_TO_BUCKETS), each sequence's context pads to a bucket
     (here of 8 rows) and the compiled stack runs once per bucket group: every block's hidden
     states equal drafting it alone op by op, unpadded, in the batch's order."""
-    from sanctum.engine import drafter as drafter_module
-    from sanctum.engine.drafter import ContextCache, load_drafter
+    from sanctum.engine.model import drafter as drafter_module
+    from sanctum.engine.model.drafter import ContextCache, load_drafter
     from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
 
     target_dir, _ = make_pair("hybrid", "dflash")
@@ -603,7 +605,7 @@ def test_speculation_gate_steps_plainly_below_its_threshold_and_tries_again(make
     """The speculation gate: with a threshold no round reaches, a sequence drafts its warm-up
     rounds, then a stretch of plain steps, then one round, then a stretch twice as long...;
     greedy output is the plain decode's all along; at threshold 0 every step is a round."""
-    from sanctum.engine import speculative as spec
+    from sanctum.engine.decode import speculative as spec
 
     target, drafter = load_pair(make_pair, "hybrid", "dflash2")
     ids = target.tokenizer.encode(PROMPTS[0])
@@ -694,7 +696,7 @@ def test_speculation_gate_in_a_batch_equals_alone(make_pair, greedy_gate, sample
 
 
 def test_break_even_is_measured_and_the_gate_setting_checked(make_pair):
-    from sanctum.engine.speculative import gate_threshold, measure_break_even
+    from sanctum.engine.decode.speculative import gate_threshold, measure_break_even
     from sanctum.settings import serve_settings
 
     target, drafter = load_pair(make_pair, "hybrid", "dflash2")
@@ -722,7 +724,7 @@ def test_bench_batch_steady_times_shared_rounds_and_checks_them_against_plain(
     import json
 
     from sanctum.cli import main
-    from sanctum.engine import rounds
+    from sanctum.engine.decode import rounds
 
     shared = []  # the row counts of every shared verify
     real_verify_batch = rounds.verify_batch

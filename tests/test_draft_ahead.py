@@ -11,12 +11,12 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from sanctum.engine import cuda
-from sanctum.engine.drafter import ContextCache, load_drafter
-from sanctum.engine.peer import LocalDraftPeer
-from sanctum.engine.sampling import SamplingParams, greedy_tokens
-from sanctum.engine.speculative import Decoder, draft_ahead_default, make_key
-from sanctum.engine.target import load_target
+from sanctum.engine.decode.peer import LocalDraftPeer
+from sanctum.engine.decode.sampling import SamplingParams, greedy_tokens
+from sanctum.engine.decode.speculative import Decoder, draft_ahead_default, make_key
+from sanctum.engine.kernels import cuda
+from sanctum.engine.model.drafter import ContextCache, load_drafter
+from sanctum.engine.model.target import load_target
 from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
 
 # Exactness is the CPU's (float32, the same kernels whatever the rows): on CUDA the product and
@@ -188,7 +188,7 @@ def test_a_block_drafted_ahead_is_not_used_after_a_shared_round(default_pair):
     """A sequence drafts ahead in a solo round, then takes shared rounds (drafted together,
     rounds.py), then solo ones again: the block drafted ahead before the shared rounds is not
     the next block any more. Same tokens and acceptance as the schedule without drafting ahead."""
-    from sanctum.engine.rounds import BatchDecoder
+    from sanctum.engine.decode.rounds import BatchDecoder
 
     target, drafter = default_pair
     eos = frozenset(target.tokenizer.eos_token_ids)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from sanctum.engine.lookup import MAX_MATCH, TokenIndex
-from sanctum.engine.rounds import BatchDecoder
-from sanctum.engine.speculative import LocalDraftPeer, generate, lookup_min_default, make_key
+from sanctum.engine.decode.lookup import MAX_MATCH, TokenIndex
+from sanctum.engine.decode.rounds import BatchDecoder
+from sanctum.engine.decode.speculative import LocalDraftPeer, generate, lookup_min_default, make_key
 from test_batch import PROMPTS
 from test_engine import load_pair, tokens_of
 

@@ -9,7 +9,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from sanctum.engine import fused, qmm_cuda
+from sanctum.engine.kernels import qmm_cuda
+from sanctum.engine.model import fused
 
 
 @pytest.fixture(autouse=True)

@@ -116,7 +116,7 @@ def engine_settings(
 ) -> EngineSettings:
     """Flags (non-None arguments) override the environment, which overrides defaults.
     `drafter="none"` turns speculation off; no model: the default pair (its drafter too)."""
-    from .engine.target import KV_MODES
+    from .engine.model.target import KV_MODES
 
     s = read(
         EngineSettings,
@@ -345,7 +345,7 @@ def serve_settings(
     )
     if s.transport not in TRANSPORTS:
         raise ValueError(f"transport must be auto, shm or object_store, got {s.transport!r}")
-    from .engine.sampling import ACCEPT_RULES
+    from .engine.decode.sampling import ACCEPT_RULES
 
     if s.min_tau != "auto":
         try:
@@ -384,7 +384,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-size", type=int, help="draft block size (default: drafter config)")
     p.add_argument("--bits", type=int, help="quantize the drafter at load (4, 8; 0 = none)")
-    from .engine.target import KV_MODES
+    from .engine.model.target import KV_MODES
 
     p.add_argument("--kv", dest="kv_mode", choices=KV_MODES, help="attention KV cache format")
 

@@ -120,10 +120,10 @@ def steady(args, levels: list[int]) -> dict:
     prompt."""
     import mlx.core as mx
 
-    from ..engine.peer import LocalDraftPeer
-    from ..engine.rounds import BatchDecoder
-    from ..engine.sampling import SamplingParams
-    from ..engine.speculative import make_key
+    from ..engine.decode.peer import LocalDraftPeer
+    from ..engine.decode.rounds import BatchDecoder
+    from ..engine.decode.sampling import SamplingParams
+    from ..engine.decode.speculative import make_key
     from ..serving.inline import load_models
     from ..settings import engine_settings, model_flags
     from .decode import _run_once

@@ -29,10 +29,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
-from ..engine import cuda, fused, gdn, qmm_cuda
-from ..engine.sampling import SamplingParams, acceptance_length, greedy_tokens
-from ..engine.speculative import Decoder, LocalDraftPeer, draft_ahead_default, make_key
-from ..engine.target import load_target
+from ..engine.decode.sampling import SamplingParams, acceptance_length, greedy_tokens
+from ..engine.decode.speculative import Decoder, LocalDraftPeer, draft_ahead_default, make_key
+from ..engine.kernels import cuda, qmm_cuda
+from ..engine.model import fused, gdn
+from ..engine.model.target import load_target
 from .seedbuild import SMALL, SeedShape, ensure
 
 TAUS = (4, 5, 6, 8)
@@ -333,7 +334,7 @@ def verify_ablations(target, prompt, tap_ids, reps: int, kv: str, say) -> dict:
 
 
 def seed(args) -> dict:
-    from ..engine.drafter import load_drafter
+    from ..engine.model.drafter import load_drafter
     from ..settings import sanctum_home
 
     shape = _shape(args)

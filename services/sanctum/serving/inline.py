@@ -23,9 +23,9 @@ from .requests import Chunk, GenerateRequest
 from .stats import EntryInfo, Stats, cache_stats, entry_infos, serving_stats
 
 if TYPE_CHECKING:  # the models load in the role processes: a front end need not import them
-    from ..engine.drafter import Drafter
-    from ..engine.peer import DraftPeer
-    from ..engine.target import Target
+    from ..engine.decode.peer import DraftPeer
+    from ..engine.model.drafter import Drafter
+    from ..engine.model.target import Target
     from .verifier import Verifier
 
 log = logging.getLogger("sanctum.backend")
@@ -58,8 +58,8 @@ class RoundDelay:
 
 def load_models(e: EngineSettings, parts: str = "both") -> tuple[Target, Drafter | None]:
     """The target, and the drafter (`parts`: "both", or "head" when the body runs elsewhere)."""
-    from ..engine.drafter import load_drafter
-    from ..engine.target import load_target
+    from ..engine.model.drafter import load_drafter
+    from ..engine.model.target import load_target
 
     target = load_target(e.model)
     drafter = None
@@ -78,7 +78,7 @@ def make_verifier(
 ) -> Verifier:
     """Load the target and wrap it in the verifier role. Without `remote_peer` the whole
     drafter is loaded here (inline); with it, only the drafter head (the body is remote)."""
-    from ..engine.speculative import GATE_PROBES, LocalDraftPeer, gate_threshold
+    from ..engine.decode.speculative import GATE_PROBES, LocalDraftPeer, gate_threshold
     from .verifier import Verifier
 
     e = settings.engine

@@ -18,11 +18,11 @@ import mlx.core as mx
 
 from ..cache.ladder import choose_rungs, make_entry, prefill_stops, restore_into
 from ..cache.store import ResumePlan
-from ..engine.drafter import Drafter
-from ..engine.rounds import BatchDecoder
-from ..engine.sampling import acceptance_length
-from ..engine.speculative import Decoder, DraftPeer, Sequence, make_key
-from ..engine.target import Target, VerifyTape
+from ..engine.decode.rounds import BatchDecoder
+from ..engine.decode.sampling import acceptance_length
+from ..engine.decode.speculative import Decoder, DraftPeer, Sequence, make_key
+from ..engine.model.drafter import Drafter
+from ..engine.model.target import Target, VerifyTape
 from ..tokenizer import Reencoder, TextStream, message_starts, render_chat
 from .requests import (
     Chunk,

@@ -30,7 +30,8 @@ from mlx_lm.models import qwen3, qwen3_moe
 from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
-from . import cpu, fused
+from ..kernels import cpu
+from . import fused
 
 MAX_ROWS = 32  # the few-row passes (verify and draft blocks, up to gdn.COMPILE_MAX_ROWS)
 ENABLED = True  # False: MLX's attention everywhere (a before/after)

@@ -427,8 +427,8 @@ def dynamic_conv(
 def reference_attention(qkv, q_norm, k_norm, ctx_keys, ctx_values, start, bounds, spec, inv_freq):
     """What `block_attention` computes, by MLX's ops as DraftAttention runs them (the split, the
     norms, RoPE, the context rows begin..end, the reference's mask, MLX's attention)."""
-    from .attention import scaled_dot_product_attention
-    from .drafter import block_attention_mask
+    from ..model.attention import scaled_dot_product_attention
+    from ..model.drafter import block_attention_mask
 
     B, L, _ = qkv.shape
     Hq, Hk, D = spec.heads, spec.kv_heads, spec.head_dim
@@ -454,7 +454,7 @@ def reference_attention(qkv, q_norm, k_norm, ctx_keys, ctx_values, start, bounds
 
 def reference_conv(x, dyn, base, which: int, group: int, residual=None):
     """What `dynamic_conv` computes, by DynamicConv.apply's ops (engine/drafter.py)."""
-    from .drafter import DynamicConv
+    from ..model.drafter import DynamicConv
 
     B, L, H = x.shape
     K = base.shape[1]

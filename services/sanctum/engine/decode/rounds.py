@@ -12,11 +12,11 @@ import time
 
 import mlx.core as mx
 
-from . import cuda
+from ..kernels import cuda
+from ..model.target import cache_offset
 from .batch import verify_batch
 from .peer import DraftUnavailable
 from .speculative import Decoder, Prefetch, RoundStats, Sequence, Step
-from .target import cache_offset
 
 
 class BatchDecoder(Decoder):

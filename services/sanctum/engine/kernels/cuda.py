@@ -41,7 +41,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
 
-from . import draft_cuda, gdn, gdn_cuda, qmm_cuda
+from ..model import gdn
+from . import draft_cuda, gdn_cuda, qmm_cuda
 
 log = logging.getLogger("sanctum.cuda")
 Q8_MODES = ("auto", "quantized", "dequantized")
@@ -111,7 +112,7 @@ def verdict(shape: tuple[int, int, int, int], dtype: mx.Dtype) -> str | None:
     name = str(dtype).rsplit(".", 1)[-1]
     source = hashlib.sha1(gdn_cuda.SOURCES[True].encode()).hexdigest()[:12]
     key = f"mlx {mx.__version__} kernel {source} {list(shape)} {name}"
-    return _child_verdict(key, ["sanctum.engine.gdn_cuda", json.dumps(list(shape)), name])
+    return _child_verdict(key, ["sanctum.engine.kernels.gdn_cuda", json.dumps(list(shape)), name])
 
 
 def _child_verdict(key: str, module_args: list[str]) -> str | None:
@@ -157,7 +158,9 @@ def prepare_linear(model) -> None:
         _qmm["verdict"] = "off (SANCTUM_QMM_KERNEL=off)"
         return
     source = hashlib.sha1((qmm_cuda.HEADER + qmm_cuda.SOURCE).encode()).hexdigest()[:12]
-    result = _child_verdict(f"mlx {mx.__version__} qmm {source}", ["sanctum.engine.qmm_cuda"])
+    result = _child_verdict(
+        f"mlx {mx.__version__} qmm {source}", ["sanctum.engine.kernels.qmm_cuda"]
+    )
     _qmm["verdict"] = result or "ok"
     if result is not None:
         log.error("few-row 4-bit matmul kernel DISAGREES with MLX, not used: %s", result)
@@ -200,7 +203,7 @@ def prepare_drafter(body, block_rows: tuple[int, ...] = (8, 16)) -> None:
     args = json.dumps({"specs": specs_args, "convs": conv_args, "rows": list(block_rows)})
     source = (draft_cuda.HEADER + draft_cuda.ATTENTION_SOURCE + draft_cuda.CONV_SOURCE).encode()
     key = f"mlx {mx.__version__} draft {hashlib.sha1(source).hexdigest()[:12]} {args}"
-    result = _child_verdict(key, ["sanctum.engine.draft_cuda", args])
+    result = _child_verdict(key, ["sanctum.engine.kernels.draft_cuda", args])
     if not isinstance(result, dict):  # the child failed: its message
         result = {"attention": result, "conv": result}
     attention_ok = bool(specs) and result.get("attention") is None

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from . import cuda
-from .drafter import Drafter, DraftHead
+from ..kernels import cuda
+from ..model.drafter import Drafter, DraftHead
+from ..model.target import Target, VerifyTape, cache_offset
 from .lookup import MIN_MATCH, TokenIndex
 from .peer import MAX_PENDING_TAP_ROWS, DraftPeer, DraftUnavailable, LocalDraftPeer
 from .sampling import (
@@ -42,7 +43,6 @@ from .sampling import (
     sample,
 )
 from .taps import TapLog
-from .target import Target, VerifyTape, cache_offset
 
 log = logging.getLogger("sanctum.engine")
 

@@ -20,7 +20,8 @@ import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.utils import dequantize_model
 
-from . import cpu, cuda, draft_cuda, fused
+from ..kernels import cpu, cuda, draft_cuda
+from . import fused
 from .attention import scaled_dot_product_attention
 from .drafter_config import DrafterConfig
 from .target import CheckpointError, read_config, resolve_checkpoint

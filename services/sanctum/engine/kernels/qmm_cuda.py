@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import fused
+from ..model import fused
 
 MAX_ROWS = 16
 WARPS = 8  # warps per thread block, splitting K

@@ -16,7 +16,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
-from . import attention, cpu, cuda, fused, gdn
+from ..kernels import cpu, cuda
+from . import attention, fused, gdn
 from .gdn import COMPILE_MAX_ROWS, GDNBatchTape, GDNTape
 
 # mlx-lm model types whose layers are all full attention or Gated DeltaNet.
