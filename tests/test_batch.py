@@ -102,7 +102,7 @@ def test_split_attention_equals_mlx_lm_module_per_sequence(
     """The batched projections + per-sequence cache part give each sequence what mlx-lm's own
     module gives it on its own cache (ragged lengths, fp16 and 8-bit KV, q/k/v fused or not),
     caches included."""
-    from sanctum.engine.model import fused
+    from sanctum.engine.kernels import fused
     from sanctum.engine.model.target import load_target
 
     if fused_qkv:  # an own copy: the shared one keeps mlx-lm's layers
@@ -570,8 +570,8 @@ def test_padded_drafts_of_a_batch_group_by_bucket_and_equal_alone(make_pair, tmp
     """Before the windows fill (PAD_TO_BUCKETS), each sequence's context pads to a bucket
     (here of 8 rows) and the compiled stack runs once per bucket group: every block's hidden
     states equal drafting it alone op by op, unpadded, in the batch's order."""
-    from sanctum.engine.model import drafter as drafter_module
     from sanctum.engine.model.drafter import ContextCache, load_drafter
+    from sanctum.engine.model.drafter import body as drafter_module
     from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
 
     target_dir, _ = make_pair("hybrid", "dflash")

@@ -117,7 +117,7 @@ def _reference(q, k, v, scale, mask):
 def test_grouped_attention_equals_mlx(heads, kv_heads, rows, keys, mask_kind):
     """The grouped attention is MLX's attention (its CPU fallback) to float32 rounding, for
     grouped and plain heads, every mask form the engine passes, short and 2K-key caches."""
-    from sanctum.engine.model.attention import grouped_attention
+    from sanctum.engine.kernels.sdpa import grouped_attention
 
     keys_ = mx.random.split(mx.random.key(rows * 1000 + keys), 5)
     q = mx.random.normal((1, heads, rows, 64), key=keys_[0])
@@ -141,7 +141,7 @@ def test_grouped_attention_equals_mlx(heads, kv_heads, rows, keys, mask_kind):
 def test_grouped_attention_bf16():
     """Half-precision inputs: the softmax in float32, the output in the inputs' dtype, within
     bf16 rounding of MLX's."""
-    from sanctum.engine.model.attention import grouped_attention
+    from sanctum.engine.kernels.sdpa import grouped_attention
 
     q = mx.random.normal((1, 6, 8, 64), key=mx.random.key(1)).astype(mx.bfloat16)
     k = mx.random.normal((1, 2, 96, 64), key=mx.random.key(2)).astype(mx.bfloat16)
@@ -157,7 +157,7 @@ def test_decode_steps_keep_mlx_lm_attention(engine):
     fewer rows than a verify's limit, a decode step's logits are those of mlx-lm's own module,
     to the bit, and a verify block's equal the ones it gives with MLX's attention to float32
     rounding."""
-    from sanctum.engine.model import attention
+    from sanctum.engine.kernels import sdpa as attention
 
     target = engine[0]
     assert not attention.grouped_rows(1) and attention.grouped_rows(8)

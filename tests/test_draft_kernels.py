@@ -9,9 +9,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from sanctum.engine.kernels import draft_cuda
-from sanctum.engine.model import drafter as dr
-from sanctum.engine.model import fused
+from sanctum.engine.kernels import draft_cuda, fused
+from sanctum.engine.model.drafter import body as dr
 from sanctum.engine.model.drafter import load_drafter
 from sanctum.engine.model.target import load_target
 

@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from sanctum.engine.decode.speculative import LocalDraftPeer
-from sanctum.engine.model import drafter as drafter_module
 from sanctum.engine.model.drafter import ContextCache, load_drafter
+from sanctum.engine.model.drafter import body as drafter_module
 from sanctum.engine.model.target import load_target
 from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
 

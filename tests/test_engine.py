@@ -263,7 +263,7 @@ def test_real_loader_reads_hf_layout(make_pair, kind):
     """The tiny checkpoint goes through mlx-lm's loader and sanitize: the HF-layout weights
     (zero-centred norms, [C, 1, K] conv) come back as the model that was written."""
     from mlx.utils import tree_flatten
-    from sanctum.engine.model.target import read_config
+    from sanctum.engine.model.checkpoint import read_config
 
     target_dir, _ = make_pair(kind, "dflash")
     target = load_target(target_dir)

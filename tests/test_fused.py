@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from sanctum.engine.model import fused
+from sanctum.engine.kernels import fused
 from test_engine import load_pair
 
 

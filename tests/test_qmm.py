@@ -9,8 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from sanctum.engine.kernels import qmm_cuda
-from sanctum.engine.model import fused
+from sanctum.engine.kernels import fused, qmm_cuda
 
 
 @pytest.fixture(autouse=True)

@@ -192,8 +192,8 @@ def test_calibration_scores_the_engines_proposal(tiny_vocab_pairs):
 
 
 def test_draft_temperature_scale_is_checked_at_load():
-    from sanctum.engine.model.drafter_config import DrafterConfig
-    from sanctum.engine.model.target import CheckpointError
+    from sanctum.engine.model.checkpoint import CheckpointError
+    from sanctum.engine.model.drafter.config import DrafterConfig
 
     raw = {"architectures": ["DFlashDraftModel"], "hidden_size": 64, "num_hidden_layers": 1,
            "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128,
@@ -252,7 +252,7 @@ def test_two_stage_top_candidates_are_the_top_k(vocab, k):
     """The GPU's two-stage top-k (per chunk, then over the chunks' picks) picks the same set as
     one partition of the whole row: Qwen3.5's vocabulary in chunks that divide it, 40001 (no
     divisor near CHUNK) with its last chunk padded."""
-    from sanctum.engine.model.drafter import CHUNK, chunk_length, top_candidates
+    from sanctum.engine.model.drafter.head import CHUNK, chunk_length, top_candidates
 
     assert chunk_length(vocab) == {248320: 970, 40001: CHUNK}[vocab]
 
@@ -269,7 +269,7 @@ def test_cpu_pruned_top_candidates_are_the_top_k(vocab, k):
     """The CPU's default top-k (rows pruned to the chunks with the largest maxima first) picks
     the same set as one partition of the whole row; where logits tie at the k-th value, the
     same values. A vocabulary the chunks do not divide (1000) takes one partition."""
-    from sanctum.engine.model.drafter import _pruning_chunk, top_candidates
+    from sanctum.engine.model.drafter.head import _pruning_chunk, top_candidates
 
     assert (_pruning_chunk(vocab, k) is None) == (vocab == 1000)
     device = mx.default_device()
@@ -540,7 +540,7 @@ def test_probabilities_softmax_is_mlxs_within_rounding():
 def test_compiled_sampled_selection_equals_op_by_op(tiny_vocab_pairs, monkeypatch):
     """DFlash 2's sampled selection runs as one compiled graph (one per block height, any key
     and temperature); it draws the same tokens with the same q as its ops run one by one."""
-    from sanctum.engine.model import drafter as drafter_module
+    from sanctum.engine.model.drafter import body as drafter_module
 
     _, drafters = tiny_vocab_pairs
     head = drafters["dflash2"].head

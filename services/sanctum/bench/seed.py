@@ -31,8 +31,8 @@ from mlx_lm.models.cache import ArraysCache
 
 from ..engine.decode.sampling import SamplingParams, acceptance_length, greedy_tokens
 from ..engine.decode.speculative import Decoder, LocalDraftPeer, draft_ahead_default, make_key
-from ..engine.kernels import cuda, qmm_cuda
-from ..engine.model import fused, gdn
+from ..engine.kernels import cuda, fused, qmm_cuda
+from ..engine.model import gdn
 from ..engine.model.target import load_target
 from .seedbuild import SMALL, SeedShape, ensure
 

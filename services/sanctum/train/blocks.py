@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..engine.model.drafter import CandidateSelector, DraftBody
-from ..engine.model.drafter_config import DrafterConfig
+from ..engine.model.drafter.config import DrafterConfig
 from ..engine.model.target import Target
 
 GAMMA = {8: 4.0, 16: 7.0}  # position-weight decay per block size (DFLASH.md)

@@ -23,9 +23,9 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from ..engine.model import fused
+from ..engine.kernels import fused
 from ..engine.model.drafter import CandidateSelector, DraftBody
-from ..engine.model.drafter_config import DrafterConfig, default_tap_ids
+from ..engine.model.drafter.config import DrafterConfig, default_tap_ids
 from ..engine.model.target import Target
 from ..tokenizer import MASK
 from .blocks import draft_loss, position_weights, sample_anchors, target_pass

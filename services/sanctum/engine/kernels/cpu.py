@@ -43,6 +43,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ... import settings
+from . import platform
+
 FLAGS = (
     "-march=native",
     "-ffp-contract=off",
@@ -141,10 +144,12 @@ def prepare() -> bool:
     global _on
     if _on is not None:
         return _on
-    path = _without_wrappers(os.environ.get("PATH", ""))  # a parent's wrapper: found again
+    device = settings.device()
+    # MLX runs the g++ it finds on PATH: the wrapper goes there (a parent's is taken off first)
+    path = _without_wrappers(device.search_path)
     os.environ["PATH"] = path
     _on = False
-    if os.environ.get("SANCTUM_CPU_JIT", "native") == "off" or mx.default_device() != mx.cpu:
+    if device.cpu_jit == "off" or not platform.current().is_cpu:
         return _on
     compiler = shutil.which("g++", path=path)
     if compiler is None:
@@ -175,7 +180,7 @@ def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis (float32 in, float32 out), as MLX's precise softmax computes
     it. On the CPU the exp runs in a compiled kernel: ~4x faster than `mx.softmax` over a
     block's 8 rows of 8,192 logits; elsewhere MLX's own op."""
-    if mx.default_device() != mx.cpu:
+    if not platform.current().is_cpu:
         return mx.softmax(x, axis=-1)
     e = shifted_exp(x, x.max(-1, keepdims=True))
     return _normalized(e, e.sum(-1, keepdims=True))
@@ -190,7 +195,7 @@ def logsumexp(x: mx.array) -> mx.array:
     same sum here: the exp as a compiled kernel (the same bits, vectorized: `shifted_exp`),
     added in order as the last prefix sum of MLX's scan (tests/test_sampling.py compares both
     to the bit). On a GPU MLX's kernel sums in another order, so it runs there."""
-    if mx.default_device() != mx.cpu:
+    if not platform.current().is_cpu:
         return mx.logsumexp(x, axis=-1, keepdims=True)
     wide = x.astype(mx.float32)
     peak = wide.max(axis=-1, keepdims=True)

@@ -26,14 +26,13 @@ than MLX's there (engine/cuda.py).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..model import fused
+from . import fused
 
 MAX_ROWS = 16
 WARPS = 8  # warps per thread block, splitting K
@@ -286,7 +285,7 @@ def _through_kernel(x: mx.array, w, scales, biases) -> mx.array | None:
 # a shared verify of 8 blocks at the seed's shapes (16 layers) took 21.5 ms this way against
 # 35.5 ms with MLX's (its qmm_sm80 and qmm_naive kernels: 29 of the 40 ms of GPU time). Longer
 # passes (prefill chunks) keep MLX's. SANCTUM_QMM_SPLIT_ROWS=16: one call's rows only.
-SPLIT_ROWS = int(os.environ.get("SANCTUM_QMM_SPLIT_ROWS", "64"))
+SPLIT_ROWS = 64  # SANCTUM_QMM_SPLIT_ROWS, set by cuda.prepare_linear
 
 
 def rows_qmm(x: mx.array, w, scales, biases) -> mx.array:

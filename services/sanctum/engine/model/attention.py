@@ -1,85 +1,20 @@
-"""Attention as the engine runs it: mlx-lm's attention modules with their cache part split off,
-and, for few-row passes on the CPU, a grouped-query attention of its own.
+"""Attention as the engine runs it: mlx-lm's attention modules with their cache part split off.
 
 The split (`attention_over`): mlx-lm's module takes one cache, so the projections and the
 output gate run once over all rows of N sequences, and only the cache part (RoPE at each
 sequence's offset, its KV update, the attention over its own length) runs per sequence. A
-shared verify (engine/batch.py) needs it; on the CPU a solo verify takes it too, for the
-attention below (Target.forward).
-
-The attention (`grouped_attention`), for verify and draft blocks on the CPU (2 to MAX_ROWS
-rows): MLX has no CPU kernel for `scaled_dot_product_attention`. Its fallback repeats the keys
-and values for each query head of a group (copies of the whole cache in every layer of every
-pass) and takes MLX's softmax, whose exp runs one element at a time. Here each group's query
-heads are folded into rows (one product per KV head, no copies), and the softmax's exp runs in
-a compiled kernel, which the CPU JIT vectorizes (engine/cpu.py). Same formula and dtype; the
-values differ from MLX's in the last bits (the products' tiling), as a verify's rows already
-differ from a decode step's. Prefill (untaped passes, of any length) and decode steps keep
-mlx-lm's attention, so plain decoding stays mlx-lm's to the bit. On a GPU, MLX's own kernels
-run everywhere.
-
-Measured on this project's 2-core CPU with the default pair's shapes (6 query heads on 2 KV
-heads of 64, 2,304 keys; a timing script, 200 calls each, five runs): an 8-row attention
-2.1-3.1 ms with MLX's fallback against 0.9-1.3 ms. End to end: the README, "On the CPU".
+shared verify (decode/batch.py) needs it; on the CPU a solo verify takes it too, for the
+grouped attention of kernels/sdpa.py (Target.forward).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models import qwen3, qwen3_moe
-from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
-from ..kernels import cpu
-from . import fused
-
-MAX_ROWS = 32  # the few-row passes (verify and draft blocks, up to gdn.COMPILE_MAX_ROWS)
-ENABLED = True  # False: MLX's attention everywhere (a before/after)
-
-
-def grouped_rows(rows: int) -> bool:
-    """Whether a pass of `rows` query rows takes `grouped_attention` on this device."""
-    return ENABLED and 1 < rows <= MAX_ROWS and mx.default_device() == mx.cpu
-
-
-def grouped_attention(
-    q: mx.array,  # [B, Hq, L, D]
-    k: mx.array,  # [B, Hk, S, D]
-    v: mx.array,  # [B, Hk, S, D]
-    scale: float,
-    mask: mx.array | str | None = None,  # "causal", bool [.., L, S] (True: attend), or additive
-) -> mx.array:
-    """softmax(q k^T * scale + mask) v for Hq = r * Hk query heads: [B, Hq, L, D]."""
-    B, Hq, L, D = q.shape
-    Hk, S = k.shape[1], k.shape[2]
-    r = Hq // Hk
-    q = (q * mx.array(scale, q.dtype)).reshape(B, Hk, r * L, D)  # a group's heads as rows
-    scores = (q @ k.swapaxes(-1, -2)).reshape(B, Hk, r, L, S)
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"mask must be 'causal', an array or None, got {mask!r}")
-        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
-    if mask is not None:
-        if mask.ndim not in (2, 4):
-            raise ValueError(f"mask must be [L, S] or [B, heads, L, S], got {mask.shape}")
-        if mask.ndim == 4:  # [B or 1, Hq or 1, L, S]: per query head
-            mask = mask.reshape(mask.shape[0], -1, r if mask.shape[1] > 1 else 1, L, S)
-        if mask.dtype == mx.bool_:
-            low = mx.array(mx.finfo(scores.dtype).min, scores.dtype)
-            scores = mx.where(mask, scores, low)
-        else:
-            scores = scores + mask
-    probs = cpu.softmax(scores.astype(mx.float32)).astype(v.dtype).reshape(B, Hk, r * L, S)
-    return (probs @ v).reshape(B, Hq, L, D)
-
-
-def scaled_dot_product_attention(q, k, v, cache, scale: float, mask) -> mx.array:
-    """mlx-lm's `scaled_dot_product_attention`, or `grouped_attention` for a few-row pass on
-    the CPU over a plain (not 8-bit) KV cache. Callers pass verify and draft blocks only: a
-    prefill keeps mlx-lm's whole module (Target.forward)."""
-    if grouped_rows(q.shape[2]) and not hasattr(cache, "bits"):
-        return grouped_attention(q, k, v, scale, mask)
-    return mlx_lm_attention(q, k, v, cache=cache, scale=scale, mask=mask)
+from ..kernels import fused
+from ..kernels.sdpa import scaled_dot_product_attention
 
 
 def attention_over(attn, x: mx.array, masks: list, caches: list) -> mx.array:

@@ -32,7 +32,7 @@ from mlx_lm.models.gated_delta import (
 )
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
-from . import fused
+from ..kernels import fused, platform
 
 # Row counts up to this run through mx.compile (one graph per shape: decode steps and verify
 # blocks); longer prefill chunks run op by op rather than compile a graph per prompt length.
@@ -183,13 +183,15 @@ def _use_kernel(k: mx.array) -> bool:
 
 
 def _kernel_for(head_k_dim: int) -> bool:
-    # Same dispatch rule as mlx_lm.models.gated_delta.gated_delta_update.
-    return (
-        mx.default_device() == mx.gpu
-        and mx.metal.is_available()
-        and head_k_dim >= 32
-        and head_k_dim % 32 == 0
-    )
+    # The Metal path's dispatch rule, mlx_lm.models.gated_delta.gated_delta_update's.
+    return platform.current().is_metal and head_k_dim >= 32 and head_k_dim % 32 == 0
+
+
+def use_block_kernel(kernel, keeps_rows: bool, in_compile: bool) -> None:
+    """The block kernel multi-row passes take from now on (kernels/cuda.py's `prepare`, once
+    its check agreed; None: the MLX path)."""
+    global BLOCK_KERNEL, BLOCK_KERNEL_KEEPS_ROWS, BLOCK_KERNEL_IN_COMPILE
+    BLOCK_KERNEL, BLOCK_KERNEL_KEEPS_ROWS, BLOCK_KERNEL_IN_COMPILE = kernel, keeps_rows, in_compile
 
 
 def _block_kernel(rows: int):
@@ -238,8 +240,9 @@ def batch_tape_entry(
 
 def recurrence(q, k, v, log_g, beta, state):
     """The gated delta rule over all rows: (y [B, S, Hv, Dv], final state [B, Hv, Dv, Dk])."""
-    if _use_kernel(k):
-        return gated_delta_kernel(q, k, v, mx.exp(log_g), beta, state, None)
+    if _use_kernel(k):  # the Metal path; its ops form where Metal kernels cannot run
+        metal = gated_delta_kernel if platform.current().metal_kernels else gated_delta_ops
+        return metal(q, k, v, mx.exp(log_g), beta, state, None)
     if q.shape[1] == 1:  # a decode step: mlx-lm's own step, so plain decoding matches mlx-lm
         Hk, Hv = q.shape[-2], v.shape[-2]
         if (repeat := Hv // Hk) > 1:
@@ -255,7 +258,7 @@ def recurrence(q, k, v, log_g, beta, state):
 
 def _lapack() -> bool:
     """Inference on the CPU: the chunked form's triangular inverse by LAPACK."""
-    return mx.default_device() == mx.cpu
+    return platform.current().is_cpu
 
 
 def _diagonal_blocks(x: mx.array, size: int) -> mx.array:

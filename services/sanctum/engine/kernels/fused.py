@@ -18,7 +18,6 @@ does between a verify's rows and a decode step's.
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -26,6 +25,8 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.qwen3_next import Qwen3NextMLP
+
+from ... import settings
 
 MIN_ROWS = 2
 ENABLED = True  # False: every layer on its own (`disabled`)
@@ -191,7 +192,7 @@ def gated_mlp(mlp: nn.Module, x: mx.array) -> mx.array:
 def fuse_target(layers: list[nn.Module]) -> int:
     """Fuse what `gdn._project` and `gated_mlp` can use in each target layer; returns how many
     groups. SANCTUM_FUSED_PROJECTIONS=off leaves every layer as loaded (a before/after)."""
-    if os.environ.get("SANCTUM_FUSED_PROJECTIONS", "on") == "off":
+    if settings.device().fused_projections == "off":
         return 0
     count = 0
     for layer in layers:
@@ -205,7 +206,7 @@ def fuse_target(layers: list[nn.Module]) -> int:
 
 def fuse_drafter(body: nn.Module) -> int:
     """Fuse each draft layer's q/k/v and gated MLP (engine/drafter.py calls `project`)."""
-    if os.environ.get("SANCTUM_FUSED_PROJECTIONS", "on") == "off":
+    if settings.device().fused_projections == "off":
         return 0
     return sum(fuse(layer.self_attn, QKV) + fuse(layer.mlp, GATED_MLP) for layer in body.layers)
 
