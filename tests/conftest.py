@@ -43,7 +43,7 @@ def pair(make_pair):
 @pytest.fixture(scope="module")
 def engine(pair):
     """Target + full drafter in this process, and greedy references from the inline engine."""
-    from sanctum.engine.decode.speculative import generate
+    from sanctum.engine.decode.generate import generate
     from sanctum.engine.model.drafter import load_drafter
     from sanctum.engine.model.target import load_target
 

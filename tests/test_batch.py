@@ -12,9 +12,11 @@ from helpers import NO_GATE
 from mlx_lm.models.cache import QuantizedKVCache
 from sanctum.engine.decode import rounds
 from sanctum.engine.decode.batch import verify_batch
+from sanctum.engine.decode.generate import generate, make_key
+from sanctum.engine.decode.peer import LocalDraftPeer
+from sanctum.engine.decode.policy import DecodePolicy
 from sanctum.engine.decode.rounds import BatchDecoder
 from sanctum.engine.decode.sampling import SamplingParams
-from sanctum.engine.decode.speculative import LocalDraftPeer, generate, make_key
 from sanctum.engine.model.attention import _SPLIT_ATTENTION, attention_over
 from sanctum.engine.model.target import DequantizedView, cache_offset
 from test_engine import load_pair, tokens_of
@@ -27,12 +29,17 @@ PROMPTS = [
 ]
 
 
+ADAPTIVE = DecodePolicy(adaptive=True)
+
+
 class ScriptedBatchDecoder(BatchDecoder):
     """Proposes each sequence's known continuation, corrupted at a scripted row per round (row
     L-1 or more: none), so every acceptance count is exercised, differently in each sequence."""
 
-    def __init__(self, target, drafter, references: dict, scripts: dict, **kw):
-        super().__init__(target, drafter, LocalDraftPeer(drafter), **kw)
+    def __init__(
+        self, target, drafter, references: dict, scripts: dict, block_size=None, policy=None
+    ):
+        super().__init__(target, drafter, LocalDraftPeer(drafter), block_size, policy)
         self.references, self.scripts = references, scripts
 
     def _draft(self, seq, params, key):
@@ -433,8 +440,7 @@ def test_adaptive_width_shrinks_a_rejected_sequence_without_holding_back_the_oth
         "s1": itertools.repeat(L - 1),  # all accepted: stays at 8
         "s2": itertools.cycle([0, 0, 99, 99, 99, 99]),  # shrinks, then grows back
     }
-    decoder = ScriptedBatchDecoder(target, drafter, refs, scripts, block_size=L)
-    decoder.adaptive = True
+    decoder = ScriptedBatchDecoder(target, drafter, refs, scripts, block_size=L, policy=ADAPTIVE)
     seen: dict = {}
     conclude = decoder._conclude
 
@@ -477,9 +483,7 @@ def test_adaptive_width_seeded_sampling_in_a_batch_equals_alone(make_pair):
     params = [SamplingParams(temperature=1.0, seed=s) for s in (4, 5, 6)]
 
     def decoder():
-        d = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
-        d.adaptive = True
-        return d
+        return BatchDecoder(target, drafter, LocalDraftPeer(drafter), policy=ADAPTIVE)
 
     specs = [(f"s{i}", PROMPTS[i], 30, "fp16", (), p) for i, p in enumerate(params)]
     got, _ = run_batch(decoder(), target, specs)
@@ -512,8 +516,7 @@ def test_blocks_padded_to_the_matrix_kernel_rows_decode_as_unpadded(make_pair, m
     }
     for specs in ([("s0", PROMPTS[0], 30, "fp16", (), None)],
                   [(f"s{i}", p, 30, kv, (), None) for i, (p, kv) in enumerate(zip(PROMPTS, kvs))]):  # fmt: skip
-        decoder = ScriptedBatchDecoder(target, drafter, refs, dict(scripts), block_size=8)
-        decoder.adaptive = True
+        decoder = ScriptedBatchDecoder(target, drafter, refs, dict(scripts), 8, ADAPTIVE)
         got, _ = run_batch(decoder, target, specs)
         for seq_id, *_ in specs:
             assert got[seq_id] == refs[seq_id], seq_id
@@ -605,15 +608,16 @@ def test_speculation_gate_steps_plainly_below_its_threshold_and_tries_again(make
     """The speculation gate: with a threshold no round reaches, a sequence drafts its warm-up
     rounds, then a stretch of plain steps, then one round, then a stretch twice as long...;
     greedy output is the plain decode's all along; at threshold 0 every step is a round."""
-    from sanctum.engine.decode import speculative as spec
+    from sanctum.engine.decode import policy as spec
 
     target, drafter = load_pair(make_pair, "hybrid", "dflash2")
     ids = target.tokenizer.encode(PROMPTS[0])
     plain = tokens_of(generate(target, ids, max_tokens=120))
     widths = {}
     for min_tau in (0.0, 99.0):
-        d = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
-        d.min_tau = min_tau
+        d = BatchDecoder(
+            target, drafter, LocalDraftPeer(drafter), policy=DecodePolicy(min_tau=min_tau)
+        )
         seq = d.new_sequence("g", max_tokens=120)
         out = list(d.start(seq, d.prefill(seq, ids), make_key(0)).tokens)
         bs = []
@@ -643,9 +647,8 @@ def test_speculation_gate_in_a_batch_equals_alone(make_pair, greedy_gate, sample
     target, drafter = load_pair(make_pair, "hybrid", "dflash2")
 
     def decoder():
-        d = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
-        d.min_tau, d.min_tau_sampled = greedy_gate, sampled_gate
-        return d
+        gate = DecodePolicy(min_tau=greedy_gate, min_tau_sampled=sampled_gate)
+        return BatchDecoder(target, drafter, LocalDraftPeer(drafter), policy=gate)
 
     params = [
         SamplingParams(temperature=1.0, seed=4),
@@ -696,7 +699,7 @@ def test_speculation_gate_in_a_batch_equals_alone(make_pair, greedy_gate, sample
 
 
 def test_break_even_is_measured_and_the_gate_setting_checked(make_pair):
-    from sanctum.engine.decode.speculative import gate_threshold, measure_break_even
+    from sanctum.engine.decode.generate import gate_threshold, measure_break_even
     from sanctum.settings import serve_settings
 
     target, drafter = load_pair(make_pair, "hybrid", "dflash2")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from sanctum.cache.ladder import choose_rungs, prefill_stops, restore_into
 from sanctum.cache.store import CacheEntry, PromptStore
-from sanctum.engine.decode.speculative import LocalDraftPeer
+from sanctum.engine.decode.peer import LocalDraftPeer
 from sanctum.engine.model.drafter import load_drafter
 from sanctum.engine.model.target import load_target
 from sanctum.serving.requests import GenerateRequest

@@ -15,8 +15,10 @@ import sanctum.engine.model.gdn as gdn
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache
 from mlx_lm.models.gated_delta import gated_delta_ops
+from sanctum.engine.decode.decoder import Decoder
+from sanctum.engine.decode.generate import generate, make_key
+from sanctum.engine.decode.peer import LocalDraftPeer
 from sanctum.engine.decode.sampling import SamplingParams
-from sanctum.engine.decode.speculative import Decoder, LocalDraftPeer, generate, make_key
 from sanctum.engine.kernels import cuda, gdn_cuda
 from sanctum.engine.model.drafter import load_drafter
 from sanctum.engine.model.target import cache_offset, load_target

@@ -9,14 +9,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from sanctum.engine.decode.decoder import Decoder
+from sanctum.engine.decode.generate import generate, make_key
+from sanctum.engine.decode.peer import DraftUnavailable, LocalDraftPeer
 from sanctum.engine.decode.sampling import SamplingParams
-from sanctum.engine.decode.speculative import (
-    Decoder,
-    DraftUnavailable,
-    LocalDraftPeer,
-    generate,
-    make_key,
-)
 from sanctum.engine.model.drafter import load_drafter
 from sanctum.engine.model.target import cache_offset, load_target
 

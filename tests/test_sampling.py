@@ -7,8 +7,10 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
+from sanctum.engine.decode.decoder import Decoder
+from sanctum.engine.decode.generate import make_key
+from sanctum.engine.decode.peer import LocalDraftPeer
 from sanctum.engine.decode.sampling import SamplingParams, accept_sampled, probabilities
-from sanctum.engine.decode.speculative import Decoder, LocalDraftPeer, make_key
 from sanctum.engine.model.drafter import load_drafter
 from sanctum.engine.model.target import load_target
 from sanctum.tiny import make_tiny_drafter, make_tiny_target
@@ -430,7 +432,7 @@ def test_bench_tau_compares_the_acceptance_rules_in_one_run(pair):
 
 
 def test_the_acceptance_rule_setting_is_checked():
-    from sanctum.engine.decode.speculative import generate
+    from sanctum.engine.decode.generate import generate
     from sanctum.settings import serve_settings
 
     assert serve_settings(env={}).accept_rule == "block"

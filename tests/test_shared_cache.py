@@ -13,7 +13,7 @@ import pytest
 from sanctum.cache.ladder import restore_into
 from sanctum.cache.pages import PAGE_TOKENS
 from sanctum.cache.store import CacheEntry, PromptStore
-from sanctum.engine.decode.speculative import LocalDraftPeer
+from sanctum.engine.decode.peer import LocalDraftPeer
 from sanctum.engine.model.drafter import load_drafter
 from sanctum.engine.model.target import load_target
 from sanctum.serving.requests import GenerateRequest

@@ -120,10 +120,10 @@ def steady(args, levels: list[int]) -> dict:
     prompt."""
     import mlx.core as mx
 
+    from ..engine.decode.generate import make_key
     from ..engine.decode.peer import LocalDraftPeer
     from ..engine.decode.rounds import BatchDecoder
     from ..engine.decode.sampling import SamplingParams
-    from ..engine.decode.speculative import make_key
     from ..serving.inline import load_models
     from ..settings import engine_settings, model_flags
     from .decode import _run_once
@@ -195,20 +195,17 @@ def steady(args, levels: list[int]) -> dict:
 
 
 def _phases(decoder, seqs: list, key, out: list[list[int]], rounds: int) -> dict:
-    """`rounds` rounds with every phase awaited (`Decoder.profile`): ms a round of each phase,
+    """`rounds` rounds with every phase awaited (`DecodePolicy.profile`): ms a round of each phase,
     summed over the round's sequences (each step's stats hold its share of the shared phases)."""
     total = {"draft": 0.0, "verify": 0.0, "rollback": 0.0, "other": 0.0, "round": 0.0}
-    decoder.profile = True
-    try:
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            steps = _round(decoder, seqs, key, out, None)
-            total["round"] += time.perf_counter() - t0
-            for step in steps:
-                for name in ("draft", "verify", "rollback", "other"):
-                    total[name] += getattr(step.stats, f"{name}_s")
-    finally:
-        decoder.profile = False
+    decoder = decoder.with_policy(profile=True)
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        steps = _round(decoder, seqs, key, out, None)
+        total["round"] += time.perf_counter() - t0
+        for step in steps:
+            for name in ("draft", "verify", "rollback", "other"):
+                total[name] += getattr(step.stats, f"{name}_s")
     return {name: round(1000 * s / rounds, 2) for name, s in total.items()}
 
 

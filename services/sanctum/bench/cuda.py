@@ -133,7 +133,7 @@ def _q8_attention() -> dict:
 
 
 def _end_to_end(tmp: Path) -> dict:
-    from ..engine.decode.speculative import generate
+    from ..engine.decode.generate import generate
     from ..engine.model.drafter import load_drafter
     from ..engine.model.target import load_target
     from ..tiny import make_tiny

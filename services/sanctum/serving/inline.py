@@ -78,7 +78,9 @@ def make_verifier(
 ) -> Verifier:
     """Load the target and wrap it in the verifier role. Without `remote_peer` the whole
     drafter is loaded here (inline); with it, only the drafter head (the body is remote)."""
-    from ..engine.decode.speculative import GATE_PROBES, LocalDraftPeer, gate_threshold
+    from ..engine.decode.generate import GATE_PROBES, gate_threshold
+    from ..engine.decode.peer import LocalDraftPeer
+    from ..engine.decode.policy import DecodePolicy
     from .verifier import Verifier
 
     e = settings.engine
@@ -98,13 +100,15 @@ def make_verifier(
         e.block_size,
         settings.max_tokens_limit,
         settings.cache.ladder_bytes,
+        DecodePolicy(
+            adaptive=bool(settings.adaptive_width),
+            accept_rule=settings.accept_rule,
+            lookup_min=settings.lookup_min,
+        ),
     )
-    d = verifier.decoder
-    d.adaptive = bool(settings.adaptive_width)
-    d.accept_rule = settings.accept_rule
-    if settings.lookup_min is not None:
-        d.lookup_min = settings.lookup_min
-    d.min_tau, d.min_tau_sampled = (gate_threshold(settings.min_tau, d, s) for s in GATE_PROBES)
+    d = verifier.decoder  # the gate's thresholds are measured on it, then fixed in its policy
+    greedy, sampled = (gate_threshold(settings.min_tau, d, s) for s in GATE_PROBES)
+    verifier.decoder = d.with_policy(min_tau=greedy, min_tau_sampled=sampled)
     return verifier
 
 

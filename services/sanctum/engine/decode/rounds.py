@@ -15,8 +15,9 @@ import mlx.core as mx
 from ..kernels import cuda
 from ..model.target import cache_offset
 from .batch import verify_batch
+from .decoder import Decoder
 from .peer import DraftUnavailable
-from .speculative import Decoder, Prefetch, RoundStats, Sequence, Step
+from .sequence import Prefetch, RoundStats, Sequence, Step
 
 
 class BatchDecoder(Decoder):
@@ -57,7 +58,7 @@ class BatchDecoder(Decoder):
         for idx in groups.values():
             drafted += self._draft_group([seqs[i] for i in idx], [keys[i] for i in idx], idx, steps)
         drafted = self._cap_looked_up(drafted)
-        if self.profile:
+        if self.policy.profile:
             mx.eval([drafts for _, _, drafts, *_ in drafted])
         elif self.target.async_layers and drafted:  # a GPU drafts while Python builds the verify
             mx.async_eval([drafts for _, _, drafts, *_ in drafted])
@@ -130,7 +131,7 @@ class BatchDecoder(Decoder):
         padded = mx.stack([mx.pad(b, (0, L - b.shape[0])) for b in blocks])  # [N, L]
         caches = [seq.cache for _, seq, *_ in drafted + gated]
         outs, tape = verify_batch(self.target, padded, caches, self.tap_ids, widths)
-        if self.profile:
+        if self.policy.profile:
             mx.eval([logits for logits, _, _ in outs])
         # the shared phases' wall time, split over the batch
         draft_s, verify_s = draft_s / len(drafted), (time.perf_counter() - t1) / len(blocks)
