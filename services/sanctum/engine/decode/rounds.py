@@ -76,7 +76,7 @@ class BatchDecoder(Decoder):
         """Looked-up blocks no wider than the widest drafted block of the round, when one is
         drafted: the verify pads every block to the widest, and on a CPU a shared verify is
         bound by its rows, so a wide looked-up block would cost each other sequence its padding
-        (`bench batch --steady`, four streams: 527 tok/s uncapped, 915 capped). All looked up:
+        (docs/performance.md). All looked up:
         each its own width. A shorter block of the same continuation: the output is the same."""
         drafter_width = max((d.shape[0] for _, s, d, *_ in drafted if not s.looked_up), default=0)
         if not drafter_width:

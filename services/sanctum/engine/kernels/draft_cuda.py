@@ -1,5 +1,5 @@
-"""Fused CUDA kernels for a draft layer (issue 16: a draft was a quarter of a seed round, bound
-by its kernel launches, ~43 a layer), through `mx.fast.cuda_kernel`.
+"""Fused CUDA kernels for a draft layer, through `mx.fast.cuda_kernel`: a draft on a GPU is bound
+by its kernel launches, and these take a layer's many small kernels down to two.
 
 - `block_attention`: a draft block's whole attention after the fused q/k/v product. From that
   product it norms and rotates the block's queries and keys, reads the layer's context keys and

@@ -3,10 +3,8 @@
 Why: a Gated DeltaNet layer projects its input four times (qkv, z, and the two 48-feature gate
 projections b and a) and an MLP twice (gate, up). At one row each is a short memory-bound
 kernel; at a verify block's 8 rows MLX CUDA runs its 4-bit matrix kernel per projection, and the
-narrow gate projections go to its naive kernel (~94 us a call at the seed's shapes on the H200:
-96 calls, 9.1 ms of a 42 ms verify in a CUPTI trace). One product over the concatenated weight
-reads the same bytes in one launch. Measured there: a verify's host graph build 16.9 -> 11.5 ms,
-its device time unchanged (43.6 against 42.8 ms); one call fewer per group on every device.
+narrow gate projections go to its naive kernel. One product over the concatenated weight reads
+the same bytes in one launch: one call fewer per group on every device (docs/performance.md).
 
 At load the sibling weights are concatenated along their output axis and each original layer is
 given a view (a row slice, no copy) of the fused weight, so memory does not grow and one-row

@@ -11,8 +11,7 @@ intermediates; on Metal a re-run of the recurrence over the kept rows (HYBRID_CA
 The recurrence itself: one row (a decode step) goes through mlx-lm's own step, exactly as mlx-lm
 decodes; several rows (a verify block, a prefill chunk) off Apple GPUs go through the chunked
 form below — a few [C, C] and [C, D] matmuls per chunk instead of one tiny kernel chain per row
-(measured on this CPU: 8 rows 0.36 ms vs 1.45 ms, 512 rows 75 ms vs 247 ms, per layer; same
-values to ~1e-7). On Apple GPUs mlx-lm's Metal kernel runs every shape. On CUDA a block of
+(the same values to ~1e-7; timings: docs/performance.md). On Apple GPUs mlx-lm's Metal kernel runs every shape. On CUDA a block of
 2..BLOCK_KERNEL_MAX_ROWS rows goes through `BLOCK_KERNEL` (gdn_cuda.py) once engine/cuda.py has
 checked it on this GPU; its taped variant writes the state after every row, so a rollback
 takes one of them as a view (no kernel, no re-run of the recurrence).

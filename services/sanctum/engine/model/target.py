@@ -161,7 +161,7 @@ class Target:
         """After layer `layer_id` of a multi-row pass (a verify, a prefill chunk): on a GPU,
         every `async_layers` layers, start the device on what is built so far (ASYNC_LAYERS).
         A decode step does not: plain decoding already builds step n+1 while the device runs
-        step n, and on the H200 the hand-on left a synced step unchanged (25.3 against 25.6 ms)."""
+        step n, and a hand-on there did not change a synced step's time."""
         n = self.async_layers
         if n and h.shape[1] > 1 and layer_id % n == n - 1 and layer_id + 1 < self.num_layers:
             mx.async_eval(h)

@@ -22,11 +22,8 @@ from .context import (
 COMPILE_DRAFTS = True
 # Before its windows fill, compiled over contexts padded to buckets (ContextCache.bucket), on
 # every device; False: op by op until the windows are full. On a GPU op by op the draft is
-# host-bound. On the CPU, once the JIT's kernels vectorized (engine/cpu.py), the compiled stack
-# beat op by op too, padding included: synced draft 7.1-7.4 against 8.4 ms for one sequence,
-# 15.2-15.7 against 17.3-18.2 for four (`bench batch --steady 16 --phases 4 --concurrency
-# 1,4`'s rounds with this flag on and off in turn, a script; default pair, short prompts, two
-# pairs); before, it cost more than compiling saved (0.95x).
+# host-bound; on the CPU, with the JIT's vectorized kernels (kernels/cpu.py), the compiled
+# stack beats op by op too, padding included (docs/performance.md).
 PAD_TO_BUCKETS = True
 
 
