@@ -43,9 +43,9 @@ def pair(make_pair):
 @pytest.fixture(scope="module")
 def engine(pair):
     """Target + full drafter in this process, and greedy references from the inline engine."""
-    from sanctum.engine.drafter import load_drafter
-    from sanctum.engine.speculative import generate
-    from sanctum.engine.target import load_target
+    from sanctum.engine.decode.generate import generate
+    from sanctum.engine.model.drafter import load_drafter
+    from sanctum.engine.model.target import load_target
 
     target = load_target(pair[0])
     drafter = load_drafter(pair[1], target)

@@ -36,9 +36,9 @@ from sanctum.settings import serve_settings
 @pytest.fixture(scope="module")
 def reference(pair):
     """The inline engine in this process: greedy tokens for a prompt (ids)."""
-    from sanctum.engine.drafter import load_drafter
-    from sanctum.engine.speculative import generate
-    from sanctum.engine.target import load_target
+    from sanctum.engine.decode.generate import generate
+    from sanctum.engine.model.drafter import load_drafter
+    from sanctum.engine.model.target import load_target
 
     target = load_target(pair[0])
     drafter = load_drafter(pair[1], target)
@@ -121,8 +121,8 @@ def test_stream_equals_inline_engine(client, reference):
 def test_seeded_sampling_equals_inline_roles(client, reference, pair):
     """Sampling (rejection rule) through the cluster, drafts asked a round ahead over shared
     memory, gives the tokens the inline roles give for the same seed."""
-    from sanctum.engine.drafter import load_drafter
-    from sanctum.engine.speculative import LocalDraftPeer
+    from sanctum.engine.decode.peer import LocalDraftPeer
+    from sanctum.engine.model.drafter import load_drafter
     from sanctum.serving.requests import GenerateRequest
     from sanctum.serving.verifier import Verifier
 

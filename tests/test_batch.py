@@ -10,13 +10,15 @@ import mlx.core as mx
 import pytest
 from helpers import NO_GATE
 from mlx_lm.models.cache import QuantizedKVCache
-from sanctum.engine import rounds
-from sanctum.engine.attention import _SPLIT_ATTENTION, attention_over
-from sanctum.engine.batch import verify_batch
-from sanctum.engine.rounds import BatchDecoder
-from sanctum.engine.sampling import SamplingParams
-from sanctum.engine.speculative import LocalDraftPeer, generate, make_key
-from sanctum.engine.target import DequantizedView, cache_offset
+from sanctum.engine.decode import rounds
+from sanctum.engine.decode.batch import verify_batch
+from sanctum.engine.decode.generate import generate, make_key
+from sanctum.engine.decode.peer import LocalDraftPeer
+from sanctum.engine.decode.policy import DecodePolicy
+from sanctum.engine.decode.rounds import BatchDecoder
+from sanctum.engine.decode.sampling import SamplingParams
+from sanctum.engine.model.attention import _SPLIT_ATTENTION, attention_over
+from sanctum.engine.model.target import DequantizedView, cache_offset
 from test_engine import load_pair, tokens_of
 
 PROMPTS = [
@@ -27,12 +29,17 @@ PROMPTS = [
 ]
 
 
+ADAPTIVE = DecodePolicy(adaptive=True)
+
+
 class ScriptedBatchDecoder(BatchDecoder):
     """Proposes each sequence's known continuation, corrupted at a scripted row per round (row
     L-1 or more: none), so every acceptance count is exercised, differently in each sequence."""
 
-    def __init__(self, target, drafter, references: dict, scripts: dict, **kw):
-        super().__init__(target, drafter, LocalDraftPeer(drafter), **kw)
+    def __init__(
+        self, target, drafter, references: dict, scripts: dict, block_size=None, policy=None
+    ):
+        super().__init__(target, drafter, LocalDraftPeer(drafter), block_size, policy)
         self.references, self.scripts = references, scripts
 
     def _draft(self, seq, params, key):
@@ -102,8 +109,8 @@ def test_split_attention_equals_mlx_lm_module_per_sequence(
     """The batched projections + per-sequence cache part give each sequence what mlx-lm's own
     module gives it on its own cache (ragged lengths, fp16 and 8-bit KV, q/k/v fused or not),
     caches included."""
-    from sanctum.engine import fused
-    from sanctum.engine.target import load_target
+    from sanctum.engine.kernels import fused
+    from sanctum.engine.model.target import load_target
 
     if fused_qkv:  # an own copy: the shared one keeps mlx-lm's layers
         target = load_target(make_pair(kind, "dflash")[0])
@@ -163,7 +170,8 @@ def test_a_block_padded_at_its_end_verifies_and_rolls_back_as_alone(
     """A narrower block padded to the batch's width: its real rows' logits and taps are the
     solo verify's, and a rollback to any keep <= its width drops the padded rows' KV and GDN
     states (the next token's logits are a fresh forward's), on both kinds of GDN tape."""
-    from sanctum.engine import gdn, gdn_cuda
+    from sanctum.engine.kernels import gdn_cuda
+    from sanctum.engine.model import gdn
 
     if tape == "row_states":  # the CUDA kernel's taped variant, through its pure-MLX stand-in
         monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
@@ -210,7 +218,8 @@ def test_batched_rollback_equals_a_rollback_per_sequence(make_pair, monkeypatch,
     """`Target.rollback_batch` after a shared verify (fp16 and 8-bit KV, a padded block) leaves
     every cache exactly as a rollback per sequence does, for every mix of keeps, on both kinds
     of GDN tape; the sequences' own tapes still roll back further afterwards."""
-    from sanctum.engine import gdn, gdn_cuda
+    from sanctum.engine.kernels import gdn_cuda
+    from sanctum.engine.model import gdn
 
     if tape == "row_states":  # the CUDA kernel's taped variant, through its pure-MLX stand-in
         monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
@@ -399,7 +408,7 @@ def test_scheduler_batches_concurrent_requests_each_as_served_alone(make_pair):
 
 
 def test_a_drafter_that_is_down_turns_the_batch_into_plain_steps(make_pair):
-    from sanctum.engine.peer import DraftUnavailable
+    from sanctum.engine.decode.peer import DraftUnavailable
 
     target, drafter = load_pair(make_pair, "hybrid", "dflash")
 
@@ -431,8 +440,7 @@ def test_adaptive_width_shrinks_a_rejected_sequence_without_holding_back_the_oth
         "s1": itertools.repeat(L - 1),  # all accepted: stays at 8
         "s2": itertools.cycle([0, 0, 99, 99, 99, 99]),  # shrinks, then grows back
     }
-    decoder = ScriptedBatchDecoder(target, drafter, refs, scripts, block_size=L)
-    decoder.adaptive = True
+    decoder = ScriptedBatchDecoder(target, drafter, refs, scripts, block_size=L, policy=ADAPTIVE)
     seen: dict = {}
     conclude = decoder._conclude
 
@@ -475,9 +483,7 @@ def test_adaptive_width_seeded_sampling_in_a_batch_equals_alone(make_pair):
     params = [SamplingParams(temperature=1.0, seed=s) for s in (4, 5, 6)]
 
     def decoder():
-        d = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
-        d.adaptive = True
-        return d
+        return BatchDecoder(target, drafter, LocalDraftPeer(drafter), policy=ADAPTIVE)
 
     specs = [(f"s{i}", PROMPTS[i], 30, "fp16", (), p) for i, p in enumerate(params)]
     got, _ = run_batch(decoder(), target, specs)
@@ -491,7 +497,7 @@ def test_blocks_padded_to_the_matrix_kernel_rows_decode_as_unpadded(make_pair, m
     MLX's matrix kernel, which a batch reaches anyway). Forced here on the CPU: every acceptance
     at widths 2-8 (adaptive width) gives the target's greedy output, solo and batched, and the
     padded rows never reach a cache."""
-    from sanctum.engine import cuda
+    from sanctum.engine.kernels import cuda
 
     target, drafter = load_pair(make_pair, "hybrid", "dflash")
     kvs = ["fp16", "q8", "fp16"]
@@ -510,8 +516,7 @@ def test_blocks_padded_to_the_matrix_kernel_rows_decode_as_unpadded(make_pair, m
     }
     for specs in ([("s0", PROMPTS[0], 30, "fp16", (), None)],
                   [(f"s{i}", p, 30, kv, (), None) for i, (p, kv) in enumerate(zip(PROMPTS, kvs))]):  # fmt: skip
-        decoder = ScriptedBatchDecoder(target, drafter, refs, dict(scripts), block_size=8)
-        decoder.adaptive = True
+        decoder = ScriptedBatchDecoder(target, drafter, refs, dict(scripts), 8, ADAPTIVE)
         got, _ = run_batch(decoder, target, specs)
         for seq_id, *_ in specs:
             assert got[seq_id] == refs[seq_id], seq_id
@@ -524,7 +529,7 @@ def test_steady_drafts_of_a_batch_run_as_one_compiled_stack_equal_to_alone(make_
     equal drafting it alone (to float32 rounding: OpenBLAS's products of 48 rows and of 16 can
     round differently, as in the op-by-op batch), and greedy and seeded sampled outputs equal
     alone."""
-    from sanctum.engine.drafter import load_drafter
+    from sanctum.engine.model.drafter import load_drafter
     from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
 
     target_dir, _ = make_pair("hybrid", "dflash")
@@ -568,8 +573,8 @@ def test_padded_drafts_of_a_batch_group_by_bucket_and_equal_alone(make_pair, tmp
     """Before the windows fill (PAD_TO_BUCKETS), each sequence's context pads to a bucket
     (here of 8 rows) and the compiled stack runs once per bucket group: every block's hidden
     states equal drafting it alone op by op, unpadded, in the batch's order."""
-    from sanctum.engine import drafter as drafter_module
-    from sanctum.engine.drafter import ContextCache, load_drafter
+    from sanctum.engine.model.drafter import ContextCache, load_drafter
+    from sanctum.engine.model.drafter import body as drafter_module
     from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
 
     target_dir, _ = make_pair("hybrid", "dflash")
@@ -603,15 +608,16 @@ def test_speculation_gate_steps_plainly_below_its_threshold_and_tries_again(make
     """The speculation gate: with a threshold no round reaches, a sequence drafts its warm-up
     rounds, then a stretch of plain steps, then one round, then a stretch twice as long...;
     greedy output is the plain decode's all along; at threshold 0 every step is a round."""
-    from sanctum.engine import speculative as spec
+    from sanctum.engine.decode import policy as spec
 
     target, drafter = load_pair(make_pair, "hybrid", "dflash2")
     ids = target.tokenizer.encode(PROMPTS[0])
     plain = tokens_of(generate(target, ids, max_tokens=120))
     widths = {}
     for min_tau in (0.0, 99.0):
-        d = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
-        d.min_tau = min_tau
+        d = BatchDecoder(
+            target, drafter, LocalDraftPeer(drafter), policy=DecodePolicy(min_tau=min_tau)
+        )
         seq = d.new_sequence("g", max_tokens=120)
         out = list(d.start(seq, d.prefill(seq, ids), make_key(0)).tokens)
         bs = []
@@ -641,9 +647,8 @@ def test_speculation_gate_in_a_batch_equals_alone(make_pair, greedy_gate, sample
     target, drafter = load_pair(make_pair, "hybrid", "dflash2")
 
     def decoder():
-        d = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
-        d.min_tau, d.min_tau_sampled = greedy_gate, sampled_gate
-        return d
+        gate = DecodePolicy(min_tau=greedy_gate, min_tau_sampled=sampled_gate)
+        return BatchDecoder(target, drafter, LocalDraftPeer(drafter), policy=gate)
 
     params = [
         SamplingParams(temperature=1.0, seed=4),
@@ -694,7 +699,7 @@ def test_speculation_gate_in_a_batch_equals_alone(make_pair, greedy_gate, sample
 
 
 def test_break_even_is_measured_and_the_gate_setting_checked(make_pair):
-    from sanctum.engine.speculative import gate_threshold, measure_break_even
+    from sanctum.engine.decode.generate import gate_threshold, measure_break_even
     from sanctum.settings import serve_settings
 
     target, drafter = load_pair(make_pair, "hybrid", "dflash2")
@@ -722,7 +727,7 @@ def test_bench_batch_steady_times_shared_rounds_and_checks_them_against_plain(
     import json
 
     from sanctum.cli import main
-    from sanctum.engine import rounds
+    from sanctum.engine.decode import rounds
 
     shared = []  # the row counts of every shared verify
     real_verify_batch = rounds.verify_batch

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from sanctum.cache.ladder import choose_rungs, prefill_stops, restore_into
 from sanctum.cache.store import CacheEntry, PromptStore
-from sanctum.engine.drafter import load_drafter
-from sanctum.engine.speculative import LocalDraftPeer
-from sanctum.engine.target import load_target
+from sanctum.engine.decode.peer import LocalDraftPeer
+from sanctum.engine.model.drafter import load_drafter
+from sanctum.engine.model.target import load_target
 from sanctum.serving.requests import GenerateRequest
 from sanctum.serving.verifier import Verifier
 

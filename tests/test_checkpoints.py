@@ -7,8 +7,9 @@ import shutil
 
 import mlx.core as mx
 import pytest
-from sanctum.engine.drafter import load_drafter
-from sanctum.engine.target import CheckpointError, load_target
+from sanctum.engine.model.checkpoint import CheckpointError
+from sanctum.engine.model.drafter import load_drafter
+from sanctum.engine.model.target import load_target
 
 
 @pytest.fixture(scope="module")

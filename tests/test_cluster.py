@@ -106,7 +106,7 @@ def test_socket_channel_roundtrip_growth_and_disconnect():
 
 def test_draft_service_equals_local_peer(engine):
     from sanctum.cluster.drafter import DraftService
-    from sanctum.engine.speculative import LocalDraftPeer
+    from sanctum.engine.decode.peer import LocalDraftPeer
 
     target, drafter, _ = engine
     service, local = DraftService(drafter), LocalDraftPeer(drafter)
@@ -131,7 +131,7 @@ def test_draft_service_drafts_a_shared_round_in_one_call(engine):
     """A DraftCall for N sequences (their blocks stacked, their new tap rows one after the
     other, a sequence with none) equals LocalDraftPeer.draft_batch on the same sessions."""
     from sanctum.cluster.drafter import DraftService
-    from sanctum.engine.speculative import LocalDraftPeer
+    from sanctum.engine.decode.peer import LocalDraftPeer
 
     target, drafter, _ = engine
     service, local = DraftService(drafter), LocalDraftPeer(drafter)
@@ -268,7 +268,7 @@ def test_a_batched_round_with_the_drafter_actor_gives_the_engine_output(cluster,
     from the actor in one call (one drafter forward), one shared target verify; each request
     gets its solo output."""
     from sanctum.cluster.drafter import RemoteDraftPeer
-    from sanctum.engine.drafter import load_drafter
+    from sanctum.engine.model.drafter import load_drafter
     from sanctum.serving.requests import GenerateRequest
     from sanctum.serving.verifier import Verifier
 
@@ -302,7 +302,7 @@ def test_a_batched_round_with_the_drafter_actor_gives_the_engine_output(cluster,
 def test_drafter_transports_give_the_engine_output(cluster, engine, pair, transport):
     """The verifier role in this process, the drafter body in its actor, over each transport."""
     from sanctum.cluster.drafter import RemoteDraftPeer
-    from sanctum.engine.drafter import load_drafter
+    from sanctum.engine.model.drafter import load_drafter
     from sanctum.serving.requests import GenerateRequest
     from sanctum.serving.verifier import Verifier
 
@@ -344,8 +344,9 @@ def test_looked_up_blocks_skip_the_drafter_actor_and_decode_as_inline(cluster, e
     the actor for nothing, the context rows it lacks go with the next draft, and the request
     proposes, accepts and emits what the inline roles do."""
     from sanctum.cluster.drafter import RemoteDraftPeer
-    from sanctum.engine.drafter import load_drafter
-    from sanctum.engine.speculative import LocalDraftPeer
+    from sanctum.engine.decode.peer import LocalDraftPeer
+    from sanctum.engine.decode.policy import DecodePolicy
+    from sanctum.engine.model.drafter import load_drafter
     from sanctum.serving.requests import GenerateRequest
     from sanctum.serving.verifier import Verifier
 
@@ -353,12 +354,11 @@ def test_looked_up_blocks_skip_the_drafter_actor_and_decode_as_inline(cluster, e
     target, drafter, reference = engine
     head = load_drafter(pair[1], target, parts="head")
     peer = RemoteDraftPeer(backend.drafter, ray.get_runtime_context().get_node_id(), "shm")
-    remote = Verifier(target, head, peer)
-    inline = Verifier(target, drafter, LocalDraftPeer(drafter))
+    remote = Verifier(target, head, peer, policy=DecodePolicy(lookup_min=1))
+    inline = Verifier(target, drafter, LocalDraftPeer(drafter), policy=DecodePolicy(lookup_min=1))
     req = GenerateRequest(prompt=ALL_PROMPTS[2], max_tokens=64, use_cache=False)
     got = {}
     for name, verifier in (("remote", remote), ("inline", inline)):
-        verifier.decoder.lookup_min = 1
         chunks = list(verifier.generate(req))
         got[name] = [(c.token_ids, c.accepted) for c in chunks], chunks[-1].usage
     (chunks, usage), (want, inline_usage) = got["remote"], got["inline"]

@@ -54,7 +54,7 @@ def test_near_tie_verdict():
 
 
 def test_top_two_margins_come_from_one_forward(make_pair):
-    from sanctum.engine.target import load_target
+    from sanctum.engine.model.target import load_target
 
     target = load_target(make_pair("hybrid", "dflash")[0])
     prompt, completion = [3, 4, 5, 6], [7, 8, 9]
@@ -97,7 +97,7 @@ def test_bench_batch_steady_budget_outlives_its_rounds_and_reports_early_ends(
     (a looked-up one); sequences that end anyway sit out, are counted, and no figure divides
     by the zero tokens they make."""
     from sanctum.bench import batch
-    from sanctum.engine.speculative import LOOKUP_MAX_WIDTH
+    from sanctum.engine.decode.policy import LOOKUP_MAX_WIDTH
 
     assert batch.steady_budget(48, 8) >= 1 + 48 * max(8, LOOKUP_MAX_WIDTH)
     monkeypatch.setattr(batch, "steady_budget", lambda rounds, block: 2)
@@ -112,7 +112,7 @@ def test_round_trace_times_and_counts_each_piece(make_pair, capsys):
     """bench round-trace: every piece of a shared round at each level, with nodes; the
     engine's functions are its own again afterwards."""
     from sanctum.cli import main
-    from sanctum.engine import batch
+    from sanctum.engine.decode import batch
 
     real = (batch.attention_over, batch._gdn_batch, batch._add_contexts)
     target_dir, drafter_dir = make_pair("hybrid", "dflash")

@@ -21,7 +21,7 @@ SERVICES = Path(__file__).resolve().parents[1] / "services"
 KERNELS = """
 import json, shutil, sys
 import mlx.core as mx, mlx.nn as nn, numpy as np
-from sanctum.engine import cpu
+from sanctum.engine.kernels import cpu
 on = cpu.prepare()
 compiler = shutil.which("g++")  # what MLX's JIT will run
 x = mx.random.normal((4, 1000), key=mx.random.key(0)) * 4
@@ -65,7 +65,7 @@ def test_native_jit_kernels_give_the_same_bits(tmp_path):
     compiles with its own command, to the bit; the first prepare drops the kernels cached
     before it (they would stay scalar) and leaves its marker."""
     native_tmp = tmp_path / "native"
-    from sanctum.engine import cpu
+    from sanctum.engine.kernels import cpu
 
     probe = tmp_path / "probe.sh"  # the wrapper lives in the temp dir: it must run from there
     probe.write_text("#!/bin/sh\nexit 0\n")
@@ -117,7 +117,7 @@ def _reference(q, k, v, scale, mask):
 def test_grouped_attention_equals_mlx(heads, kv_heads, rows, keys, mask_kind):
     """The grouped attention is MLX's attention (its CPU fallback) to float32 rounding, for
     grouped and plain heads, every mask form the engine passes, short and 2K-key caches."""
-    from sanctum.engine.attention import grouped_attention
+    from sanctum.engine.kernels.sdpa import grouped_attention
 
     keys_ = mx.random.split(mx.random.key(rows * 1000 + keys), 5)
     q = mx.random.normal((1, heads, rows, 64), key=keys_[0])
@@ -141,7 +141,7 @@ def test_grouped_attention_equals_mlx(heads, kv_heads, rows, keys, mask_kind):
 def test_grouped_attention_bf16():
     """Half-precision inputs: the softmax in float32, the output in the inputs' dtype, within
     bf16 rounding of MLX's."""
-    from sanctum.engine.attention import grouped_attention
+    from sanctum.engine.kernels.sdpa import grouped_attention
 
     q = mx.random.normal((1, 6, 8, 64), key=mx.random.key(1)).astype(mx.bfloat16)
     k = mx.random.normal((1, 2, 96, 64), key=mx.random.key(2)).astype(mx.bfloat16)
@@ -157,7 +157,7 @@ def test_decode_steps_keep_mlx_lm_attention(engine):
     fewer rows than a verify's limit, a decode step's logits are those of mlx-lm's own module,
     to the bit, and a verify block's equal the ones it gives with MLX's attention to float32
     rounding."""
-    from sanctum.engine import attention
+    from sanctum.engine.kernels import sdpa as attention
 
     target = engine[0]
     assert not attention.grouped_rows(1) and attention.grouped_rows(8)

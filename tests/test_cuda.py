@@ -8,7 +8,7 @@ from argparse import Namespace
 
 import mlx.core as mx
 import pytest
-from sanctum.engine import cuda, draft_cuda, gdn_cuda, qmm_cuda
+from sanctum.engine.kernels import cuda, draft_cuda, gdn_cuda, qmm_cuda
 
 pytestmark = pytest.mark.skipif(not cuda.is_cuda(), reason="needs MLX's CUDA backend")
 

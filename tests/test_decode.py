@@ -11,15 +11,17 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-import sanctum.engine.gdn as gdn
+import sanctum.engine.model.gdn as gdn
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache
 from mlx_lm.models.gated_delta import gated_delta_ops
-from sanctum.engine import cuda, gdn_cuda
-from sanctum.engine.drafter import load_drafter
-from sanctum.engine.sampling import SamplingParams
-from sanctum.engine.speculative import Decoder, LocalDraftPeer, generate, make_key
-from sanctum.engine.target import cache_offset, load_target
+from sanctum.engine.decode.decoder import Decoder
+from sanctum.engine.decode.generate import generate, make_key
+from sanctum.engine.decode.peer import LocalDraftPeer
+from sanctum.engine.decode.sampling import SamplingParams
+from sanctum.engine.kernels import cuda, gdn_cuda
+from sanctum.engine.model.drafter import load_drafter
+from sanctum.engine.model.target import cache_offset, load_target
 
 PROMPT = "def fibonacci(n):\n    "
 
@@ -340,7 +342,7 @@ def test_block_kernel_row_states_roll_back_exactly(pair, monkeypatch):
     """A block kernel that keeps every row's state (the CUDA kernel's taped variant): a verify
     tapes those states, a rollback to any keep takes one (no re-run) and matches a fresh
     forward; the batched verify tapes them per sequence; speculative greedy equals plain."""
-    from sanctum.engine.batch import verify_batch
+    from sanctum.engine.decode.batch import verify_batch
 
     target, drafter = pair
     monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)

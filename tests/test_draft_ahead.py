@@ -11,12 +11,14 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
-from sanctum.engine import cuda
-from sanctum.engine.drafter import ContextCache, load_drafter
-from sanctum.engine.peer import LocalDraftPeer
-from sanctum.engine.sampling import SamplingParams, greedy_tokens
-from sanctum.engine.speculative import Decoder, draft_ahead_default, make_key
-from sanctum.engine.target import load_target
+from sanctum.engine.decode.decoder import Decoder
+from sanctum.engine.decode.generate import make_key
+from sanctum.engine.decode.peer import LocalDraftPeer
+from sanctum.engine.decode.policy import DecodePolicy, draft_ahead_default
+from sanctum.engine.decode.sampling import SamplingParams, greedy_tokens
+from sanctum.engine.kernels import cuda
+from sanctum.engine.model.drafter import ContextCache, load_drafter
+from sanctum.engine.model.target import load_target
 from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
 
 # Exactness is the CPU's (float32, the same kernels whatever the rows): on CUDA the product and
@@ -95,8 +97,9 @@ class CycledDecoder(Decoder):
     so that drafting ahead is checked at each; records every round's drafts."""
 
     def __init__(self, target, drafter, ahead: bool):
-        super().__init__(target, drafter, LocalDraftPeer(drafter))
-        self.draft_ahead = ahead
+        super().__init__(
+            target, drafter, LocalDraftPeer(drafter), policy=DecodePolicy(draft_ahead=ahead)
+        )
         self.counts = itertools.cycle(range(self.block_size))
         self.drafted: list[list[int]] = []
 
@@ -166,9 +169,8 @@ def test_greedy_drafting_ahead_equals_plain_greedy_and_synchronous_rounds(defaul
     for n, adaptive, min_tau in ((96, False, 0.0), (37, False, 0.0), (96, True, 3.0)):
         runs = []
         for ahead in (False, True):
-            decoder = Decoder(target, drafter, LocalDraftPeer(drafter))
-            decoder.draft_ahead, decoder.adaptive = ahead, adaptive
-            decoder.min_tau = min_tau
+            policy = DecodePolicy(draft_ahead=ahead, adaptive=adaptive, min_tau=min_tau)
+            decoder = Decoder(target, drafter, LocalDraftPeer(drafter), policy=policy)
             runs.append(_decode(decoder, ids, n, eos))
         assert runs[0] == runs[1]
         assert runs[1][0] == plain[:n]
@@ -187,14 +189,15 @@ def test_a_block_drafted_ahead_is_not_used_after_a_shared_round(default_pair):
     """A sequence drafts ahead in a solo round, then takes shared rounds (drafted together,
     rounds.py), then solo ones again: the block drafted ahead before the shared rounds is not
     the next block any more. Same tokens and acceptance as the schedule without drafting ahead."""
-    from sanctum.engine.rounds import BatchDecoder
+    from sanctum.engine.decode.rounds import BatchDecoder
 
     target, drafter = default_pair
     eos = frozenset(target.tokenizer.eos_token_ids)
     runs = []
     for ahead in (False, True):
-        decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
-        decoder.draft_ahead = ahead
+        decoder = BatchDecoder(
+            target, drafter, LocalDraftPeer(drafter), policy=DecodePolicy(draft_ahead=ahead)
+        )
         key = make_key(0)
         seqs = []
         for i, (prompt, n) in enumerate(((PROMPTS[0], 24), (PROMPTS[1], 80))):
@@ -231,8 +234,9 @@ def test_looked_up_rounds_between_rounds_drafted_ahead(default_pair):
     eos = frozenset(target.tokenizer.eos_token_ids)
     runs = []
     for ahead in (False, True):
-        decoder = Decoder(target, drafter, LocalDraftPeer(drafter))
-        decoder.draft_ahead = ahead
+        decoder = Decoder(
+            target, drafter, LocalDraftPeer(drafter), policy=DecodePolicy(draft_ahead=ahead)
+        )
         seq = decoder.new_sequence("s", "fp16", SamplingParams(), 128, eos)
         key = make_key(0)
         steps = [decoder.start(seq, decoder.prefill(seq, ids), key)]

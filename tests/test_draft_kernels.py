@@ -9,10 +9,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from sanctum.engine import draft_cuda, fused
-from sanctum.engine import drafter as dr
-from sanctum.engine.drafter import load_drafter
-from sanctum.engine.target import load_target
+from sanctum.engine.kernels import draft_cuda, fused
+from sanctum.engine.model.drafter import body as dr
+from sanctum.engine.model.drafter import load_drafter
+from sanctum.engine.model.target import load_target
 
 
 def traceable_attention(qkv, q_norm, k_norm, keys, values, start, bounds, spec, inv_freq):

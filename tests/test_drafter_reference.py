@@ -18,10 +18,10 @@ import dflash.model_mlx as reference  # the oracle: `make setup` installs dflash
 import mlx.core as mx
 import numpy as np
 import pytest
-from sanctum.engine import drafter as drafter_module
-from sanctum.engine.drafter import ContextCache, load_drafter
-from sanctum.engine.speculative import LocalDraftPeer
-from sanctum.engine.target import load_target
+from sanctum.engine.decode.peer import LocalDraftPeer
+from sanctum.engine.model.drafter import ContextCache, load_drafter
+from sanctum.engine.model.drafter import body as drafter_module
+from sanctum.engine.model.target import load_target
 from sanctum.tiny import DRAFTER_LAYOUTS, drafter_config, write_random_drafter
 
 

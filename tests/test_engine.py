@@ -9,16 +9,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from sanctum.engine.drafter import load_drafter
-from sanctum.engine.sampling import SamplingParams
-from sanctum.engine.speculative import (
-    Decoder,
-    DraftUnavailable,
-    LocalDraftPeer,
-    generate,
-    make_key,
-)
-from sanctum.engine.target import cache_offset, load_target
+from sanctum.engine.decode.decoder import Decoder
+from sanctum.engine.decode.generate import generate, make_key
+from sanctum.engine.decode.peer import DraftUnavailable, LocalDraftPeer
+from sanctum.engine.decode.sampling import SamplingParams
+from sanctum.engine.model.drafter import load_drafter
+from sanctum.engine.model.target import cache_offset, load_target
 
 PROMPT = "def fibonacci(n):\n    "
 _loaded: dict = {}
@@ -188,7 +184,7 @@ def test_rollback_to_every_row_matches_fresh_forward(make_pair, kind, closed_for
     """Verify a block of L rows, roll back to `keep` rows, and compare the next-token logits
     with a fresh forward over exactly the kept tokens; also rolling back twice on one tape.
     closed_form=False pins the recompute path (what Apple GPUs' Metal kernel path takes)."""
-    import sanctum.engine.gdn as gdn
+    import sanctum.engine.model.gdn as gdn
 
     if not closed_form:
         monkeypatch.setattr(gdn, "_one_chunk_tape", lambda mod, rows: False)
@@ -263,7 +259,7 @@ def test_real_loader_reads_hf_layout(make_pair, kind):
     """The tiny checkpoint goes through mlx-lm's loader and sanitize: the HF-layout weights
     (zero-centred norms, [C, 1, K] conv) come back as the model that was written."""
     from mlx.utils import tree_flatten
-    from sanctum.engine.target import read_config
+    from sanctum.engine.model.checkpoint import read_config
 
     target_dir, _ = make_pair(kind, "dflash")
     target = load_target(target_dir)
@@ -299,7 +295,7 @@ def test_block_conv_equals_mlx_lm_conv(make_pair, rows, dtype):
     gives what mlx-lm's grouped conv1d gives, op by op and compiled with the SiLU after it: bit
     for bit in bf16; in float32 to its last bits, which OpenBLAS (preloaded: the conv's matrix
     product) sums in another order (bit for bit under MLX's own BLAS)."""
-    from sanctum.engine.gdn import block_conv
+    from sanctum.engine.model.gdn import block_conv
 
     target, _ = load_pair(make_pair, "hybrid", "dflash")
     mod = target.layers[target.is_gdn.index(True)].linear_attn

@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from sanctum.engine import fused
+from sanctum.engine.kernels import fused
 from test_engine import load_pair
 
 
@@ -83,7 +83,7 @@ def test_target_and_drafter_fuse_at_load_and_verify_as_unfused(make_pair):
     """The hybrid target fuses its GDN input projections and MLPs, the drafter its q/k/v and
     MLPs; a verify block's logits and taps and the drafter's block are those of the layers
     computed one by one (float32 rounding), and greedy decoding is unchanged."""
-    from sanctum.engine.speculative import generate
+    from sanctum.engine.decode.generate import generate
     from test_engine import tokens_of
 
     target, drafter = load_pair(make_pair, "hybrid", "dflash2")

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
-from sanctum.engine import gdn
+from sanctum.engine.model import gdn
 
 SMALLEST_NORMAL = np.finfo(np.float32).tiny
 

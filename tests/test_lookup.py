@@ -11,9 +11,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from sanctum.engine.lookup import MAX_MATCH, TokenIndex
-from sanctum.engine.rounds import BatchDecoder
-from sanctum.engine.speculative import LocalDraftPeer, generate, lookup_min_default, make_key
+from sanctum.engine.decode.generate import generate, make_key
+from sanctum.engine.decode.lookup import MAX_MATCH, TokenIndex
+from sanctum.engine.decode.peer import LocalDraftPeer
+from sanctum.engine.decode.policy import DecodePolicy, lookup_min_default
+from sanctum.engine.decode.rounds import BatchDecoder
 from test_batch import PROMPTS
 from test_engine import load_pair, tokens_of
 
@@ -136,8 +138,9 @@ def test_lookup_in_a_shared_round_proposes_and_commits_as_alone(make_pair):
         steps = list(generate(target, target.tokenizer.encode(prompt), drafter=drafter,
                               max_tokens=n, eos_ids=set(), lookup_min=1))  # fmt: skip
         alone.append((tokens_of(steps), [s.stats.looked_up for s in steps[1:]]))
-    decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
-    decoder.lookup_min = 1
+    decoder = BatchDecoder(
+        target, drafter, LocalDraftPeer(drafter), policy=DecodePolicy(lookup_min=1)
+    )
     seqs, keys, got = [], [], []
     for i, (prompt, n) in enumerate(zip(PROMPTS, lengths)):
         seq = decoder.new_sequence(f"s{i}", max_tokens=n)
@@ -171,9 +174,10 @@ class OracleLookup(BatchDecoder):
     width and fall back to it."""
 
     def __init__(self, target, drafter, references: dict, wrong: dict):
-        super().__init__(target, drafter, LocalDraftPeer(drafter))
+        super().__init__(
+            target, drafter, LocalDraftPeer(drafter), policy=DecodePolicy(lookup_min=1)
+        )
         self.references, self.wrong = references, wrong
-        self.lookup_min = 1
 
     def _continuation(self, seq, count):
         ref, n = self.references[seq.seq_id], len(seq.completion)

@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from sanctum.engine import fused, qmm_cuda
+from sanctum.engine.kernels import fused, qmm_cuda
 
 
 @pytest.fixture(autouse=True)

@@ -7,10 +7,12 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
-from sanctum.engine.drafter import load_drafter
-from sanctum.engine.sampling import SamplingParams, accept_sampled, probabilities
-from sanctum.engine.speculative import Decoder, LocalDraftPeer, make_key
-from sanctum.engine.target import load_target
+from sanctum.engine.decode.decoder import Decoder
+from sanctum.engine.decode.generate import make_key
+from sanctum.engine.decode.peer import LocalDraftPeer
+from sanctum.engine.decode.sampling import SamplingParams, accept_sampled, probabilities
+from sanctum.engine.model.drafter import load_drafter
+from sanctum.engine.model.target import load_target
 from sanctum.tiny import make_tiny_drafter, make_tiny_target
 
 VOCAB = 16
@@ -192,8 +194,8 @@ def test_calibration_scores_the_engines_proposal(tiny_vocab_pairs):
 
 
 def test_draft_temperature_scale_is_checked_at_load():
-    from sanctum.engine.drafter_config import DrafterConfig
-    from sanctum.engine.target import CheckpointError
+    from sanctum.engine.model.checkpoint import CheckpointError
+    from sanctum.engine.model.drafter.config import DrafterConfig
 
     raw = {"architectures": ["DFlashDraftModel"], "hidden_size": 64, "num_hidden_layers": 1,
            "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128,
@@ -217,7 +219,7 @@ def test_dflash2_samples_from_a_wider_pool_than_it_picks_greedily(tiny_vocab_pai
     """Greedy, DFlash 2's selector picks among its trained top-k (the reference's rule); when
     sampling, q covers the body's top SAMPLING_CANDIDATES (here the whole 16-token vocabulary),
     and is a distribution on each row."""
-    from sanctum.engine.drafter import SAMPLING_CANDIDATES
+    from sanctum.engine.model.drafter import SAMPLING_CANDIDATES
 
     target, drafters = tiny_vocab_pairs
     drafter = drafters["dflash2"]
@@ -252,7 +254,7 @@ def test_two_stage_top_candidates_are_the_top_k(vocab, k):
     """The GPU's two-stage top-k (per chunk, then over the chunks' picks) picks the same set as
     one partition of the whole row: Qwen3.5's vocabulary in chunks that divide it, 40001 (no
     divisor near CHUNK) with its last chunk padded."""
-    from sanctum.engine.drafter import CHUNK, chunk_length, top_candidates
+    from sanctum.engine.model.drafter.head import CHUNK, chunk_length, top_candidates
 
     assert chunk_length(vocab) == {248320: 970, 40001: CHUNK}[vocab]
 
@@ -269,7 +271,7 @@ def test_cpu_pruned_top_candidates_are_the_top_k(vocab, k):
     """The CPU's default top-k (rows pruned to the chunks with the largest maxima first) picks
     the same set as one partition of the whole row; where logits tie at the k-th value, the
     same values. A vocabulary the chunks do not divide (1000) takes one partition."""
-    from sanctum.engine.drafter import _pruning_chunk, top_candidates
+    from sanctum.engine.model.drafter.head import _pruning_chunk, top_candidates
 
     assert (_pruning_chunk(vocab, k) is None) == (vocab == 1000)
     device = mx.default_device()
@@ -313,7 +315,7 @@ def _one_iteration_then_target(p: dict, q: dict, n: int, vocab: int, rule: str):
     rule: "block" (sampling.block_acceptance) or "token"."""
     import itertools
 
-    from sanctum.engine.sampling import block_acceptance
+    from sanctum.engine.decode.sampling import block_acceptance
 
     out: dict = {}
     expected = 0.0
@@ -385,7 +387,7 @@ def test_block_verification_accepts_the_papers_example_exactly():
 def test_accept_block_draws_by_its_weights():
     """`accept_block` samples what `block_acceptance` says: the count of drafts kept follows
     h's stopping probabilities, and a rejected block's next token its residual."""
-    from sanctum.engine.sampling import accept_block, block_acceptance
+    from sanctum.engine.decode.sampling import accept_block, block_acceptance
 
     rng = np.random.default_rng(7)
     n = 3
@@ -430,7 +432,7 @@ def test_bench_tau_compares_the_acceptance_rules_in_one_run(pair):
 
 
 def test_the_acceptance_rule_setting_is_checked():
-    from sanctum.engine.speculative import generate
+    from sanctum.engine.decode.generate import generate
     from sanctum.settings import serve_settings
 
     assert serve_settings(env={}).accept_rule == "block"
@@ -498,8 +500,8 @@ def test_bench_tau_ceiling_reports_both_ceilings_beside_the_drafter(pair):
 def test_logsumexp_is_mlxs_to_the_bit(dtype, vocab):
     """The greedy rule's logsumexp (cpu.logsumexp) gives MLX's own bits, on rows of every
     scale, rows all -inf, a +inf logit and masked logits; so do the greedy picks made with it."""
-    from sanctum.engine.cpu import logsumexp
-    from sanctum.engine.sampling import greedy_tokens
+    from sanctum.engine.decode.sampling import greedy_tokens
+    from sanctum.engine.kernels.cpu import logsumexp
 
     for seed in range(12):
         x = mx.random.normal((8, vocab), key=mx.random.key(seed)) * (1 + seed) ** 1.5
@@ -540,7 +542,7 @@ def test_probabilities_softmax_is_mlxs_within_rounding():
 def test_compiled_sampled_selection_equals_op_by_op(tiny_vocab_pairs, monkeypatch):
     """DFlash 2's sampled selection runs as one compiled graph (one per block height, any key
     and temperature); it draws the same tokens with the same q as its ops run one by one."""
-    from sanctum.engine import drafter as drafter_module
+    from sanctum.engine.model.drafter import body as drafter_module
 
     _, drafters = tiny_vocab_pairs
     head = drafters["dflash2"].head
@@ -565,7 +567,7 @@ def test_accept_block_in_one_sync_draws_what_the_two_step_rule_draws():
     """`accept_block` draws the next token before the host reads the count (one sync a round):
     for every key it returns what reading the count first and then drawing from that row's
     residual (or, every draft kept, from p) returns, at every count 0..n."""
-    from sanctum.engine.sampling import accept_block, block_acceptance
+    from sanctum.engine.decode.sampling import accept_block, block_acceptance
 
     def two_step(drafts, Q, P, key):
         n = drafts.shape[0]

@@ -125,7 +125,7 @@ def test_first_divergence_tells_a_near_tie_from_a_clear_margin(make_pair, monkey
     tokens, and a token far below the argmax is no tie."""
     import mlx.core as mx
     from sanctum.bench import decode as bench_decode
-    from sanctum.engine.target import load_target
+    from sanctum.engine.model.target import load_target
 
     target_dir, _ = make_pair("hybrid", "dflash")
     target = load_target(target_dir)
@@ -174,7 +174,7 @@ def test_qmm_timings_cover_every_shape_and_row_count():
     per row count, both kernels' ms per dependent call and the error; here with MLX's own
     matmul as the kernel, at a small shape."""
     from sanctum.bench.cuda import qmm_timings
-    from sanctum.engine import qmm_cuda
+    from sanctum.engine.kernels import qmm_cuda
 
     t = qmm_timings(qmm_cuda.reference, {"small": (256, 512)}, rows=(2, 8), chain=False)
     assert set(t) == {"small"} and set(t["small"]) == {"mlx_1_row", 2, 8}

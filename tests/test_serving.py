@@ -261,7 +261,9 @@ def test_served_requests_are_gated_by_a_threshold_measured_at_load(pair, engine)
         backend.ready(120)
         d = backend.verifier.decoder
         assert d.min_tau >= 1.0 and d.min_tau_sampled >= 1.0
-        d.min_tau = 99.0  # no round reaches it: the gate must trip
+        backend.verifier.decoder = d = d.with_policy(
+            min_tau=99.0
+        )  # no round reaches it: the gate must trip
         req = GenerateRequest(prompt=ALL_PROMPTS[0], max_tokens=60, use_cache=False)
         chunks = list(backend.submit(req))
         assert [t for c in chunks for t in c.token_ids] == reference(ALL_PROMPTS[0], 60)

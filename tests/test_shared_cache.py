@@ -13,9 +13,9 @@ import pytest
 from sanctum.cache.ladder import restore_into
 from sanctum.cache.pages import PAGE_TOKENS
 from sanctum.cache.store import CacheEntry, PromptStore
-from sanctum.engine.drafter import load_drafter
-from sanctum.engine.speculative import LocalDraftPeer
-from sanctum.engine.target import load_target
+from sanctum.engine.decode.peer import LocalDraftPeer
+from sanctum.engine.model.drafter import load_drafter
+from sanctum.engine.model.target import load_target
 from sanctum.serving.requests import GenerateRequest
 from sanctum.serving.verifier import Verifier
 

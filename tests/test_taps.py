@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
-from sanctum.engine.taps import TapLog
+from sanctum.engine.decode.taps import TapLog
 
 
 def rows(start: int, n: int) -> mx.array:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 from mlx_lm.utils import load_tokenizer
-from sanctum.engine.target import load_target
+from sanctum.engine.model.target import load_target
 from sanctum.settings import default_pair
 from sanctum.tokenizer import Reencoder, TextStream, message_starts, render_chat
 

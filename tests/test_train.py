@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from sanctum.cli import main
-from sanctum.engine.drafter import load_drafter
-from sanctum.engine.target import load_target
+from sanctum.engine.model.drafter import load_drafter
+from sanctum.engine.model.target import load_target
 from sanctum.tiny import (
     DRAFTER_LAYOUTS,
     TINY_TOKENIZER,
@@ -96,8 +96,8 @@ def test_dflash2_long_packing_loss_falls(tmp_path, tiny_pair, corpus_args):
     """DFlash 2 training on long windows with regenerated spans (`train regen --spans`), a
     sliding window shorter than the window and is_causal false (the published layout): the loss
     falls, the selector learns, and the checkpoint drafts losslessly through the engine."""
-    from sanctum.engine.sampling import SamplingParams
-    from sanctum.engine.speculative import generate
+    from sanctum.engine.decode.generate import generate
+    from sanctum.engine.decode.sampling import SamplingParams
 
     target_dir, _ = tiny_pair
     corpus_args = [*corpus_args, "--corpus", str(stdlib_root() / "sched.py")]  # a held-out file
@@ -274,8 +274,8 @@ def test_regen_spans_are_engine_greedy(tiny_pair):
     """`sanctum train regen`'s spans: each greedy span is the engine's own greedy continuation of
     everything before it in the row (earlier spans included), stubs sit right before the spans,
     and sampled rows (temperature > 0) come out where greedy ones would not."""
-    from sanctum.engine.sampling import SamplingParams
-    from sanctum.engine.speculative import generate
+    from sanctum.engine.decode.generate import generate
+    from sanctum.engine.decode.sampling import SamplingParams
     from sanctum.train.regen import place_stubs, regenerate_rows, span_starts
 
     target = load_target(tiny_pair[0])
@@ -445,7 +445,7 @@ def test_drafter_fine_tune_from_packed_init(tmp_path, tiny_pair, corpus_args, ca
 def test_dflash_drafter_upgrades_to_dflash2(tmp_path, tiny_pair, corpus_args):
     """`train drafter --init <DFlash> --kind dflash2` keeps the DFlash drafter's layers in a new
     DFlash 2 drafter (new convolutions and selector), which loads and drafts losslessly."""
-    from sanctum.engine.speculative import generate
+    from sanctum.engine.decode.generate import generate
 
     target_dir, drafter_dir = tiny_pair
     out = tmp_path / "up"

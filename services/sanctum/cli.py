@@ -20,8 +20,8 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args) -> int:
-    from .engine.sampling import SamplingParams
-    from .engine.speculative import generate
+    from .engine.decode.generate import generate
+    from .engine.decode.sampling import SamplingParams
     from .serving.inline import load_models
     from .settings import engine_settings, model_flags
     from .tokenizer import TextStream

@@ -9,8 +9,9 @@ variable when set and not empty, else the field's default. Names keep the seed's
 (SANCTUM_MLX_DFLASH2_DIR, SANCTUM_MLX_DFLASH2_BLOCK, SANCTUM_MLX_DFLASH2_BITS,
 SANCTUM_MLX_SSM_LADDER); README's configuration table lists them all.
 
-Read elsewhere, on purpose: engine/cuda.py's device switches (SANCTUM_Q8_ATTENTION,
-SANCTUM_GDN_KERNEL), decided once when the engine loads; cli.py's OpenBLAS re-exec
+The engine's device switches (`DeviceSettings`: which device path, which kernels, the CPU
+JIT) are read here too, by `device_settings`; the engine takes them from `device()`, which a
+test can replace (`use_device`). Read elsewhere, on purpose: cli.py's OpenBLAS re-exec
 (SANCTUM_NO_OPENBLAS, LD_PRELOAD), before anything else is imported.
 """
 
@@ -19,7 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -116,7 +118,7 @@ def engine_settings(
 ) -> EngineSettings:
     """Flags (non-None arguments) override the environment, which overrides defaults.
     `drafter="none"` turns speculation off; no model: the default pair (its drafter too)."""
-    from .engine.target import KV_MODES
+    from .engine.model.target import KV_MODES
 
     s = read(
         EngineSettings,
@@ -148,6 +150,76 @@ def cache_settings(
     env: Env = os.environ,
 ) -> CacheSettings:
     return read(CacheSettings, env, ladder_depth=ladder, max_bytes=max_bytes, directory=directory)
+
+
+# ---- the engine's device ----------------------------------------------------------------------
+
+DEVICE_PATHS = ("auto", "cpu", "cuda", "metal")
+CUDNN_FLAGS = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_CUDA_USE_CUDNN_SPDA")  # MLX's, older spelling too
+
+
+@dataclass(frozen=True)
+class DeviceSettings:
+    """How the engine runs on this process's device: each process reads its own (the device,
+    its kernels and its compiler are the process's)."""
+
+    # which device path the engine takes (engine/kernels/platform.py); auto: the MLX device's
+    path: str = var("SANCTUM_DEVICE_PATH", "auto")
+    # attention over 8-bit KV: auto | quantized | dequantized (auto: dequantized on CUDA)
+    q8_attention: str = var("SANCTUM_Q8_ATTENTION", "auto")
+    gdn_kernel: str = var("SANCTUM_GDN_KERNEL", "auto")  # off: the MLX path on CUDA
+    qmm_kernel: str = var("SANCTUM_QMM_KERNEL", "auto")  # off: MLX's 4-bit matmul on CUDA
+    qmm_split_rows: int = var("SANCTUM_QMM_SPLIT_ROWS", 64, int)  # most rows through it
+    draft_kernels: str = var("SANCTUM_DRAFT_KERNELS", "auto")  # off: MLX's ops on CUDA
+    fused_projections: str = var("SANCTUM_FUSED_PROJECTIONS", "on")  # off: each on its own
+    cpu_jit: str = var("SANCTUM_CPU_JIT", "native")  # off: MLX's own compiler command
+    draft_ahead: str = var("SANCTUM_DRAFT_AHEAD", "auto")  # auto (on a GPU) | on | off
+    lookup_min: str | None = var("SANCTUM_LOOKUP_MIN")  # None: engine/decode/lookup.py's
+    home: str = ""  # SANCTUM_HOME (`sanctum_home`): where kernel checks are remembered
+    search_path: str = var("PATH", "")  # where the CPU JIT finds g++
+    cudnn_sdpa: tuple[tuple[str, str | None], ...] = ()  # CUDNN_FLAGS as the environment sets them
+
+
+def device_settings(env: Env = os.environ) -> DeviceSettings:
+    """The engine's device settings from `env`."""
+    s = read(
+        DeviceSettings,
+        env,
+        home=str(sanctum_home(env)),
+        cudnn_sdpa=tuple((f, env.get(f)) for f in CUDNN_FLAGS),
+    )
+    if s.path not in DEVICE_PATHS:
+        raise ValueError(f"SANCTUM_DEVICE_PATH must be one of {DEVICE_PATHS}, got {s.path!r}")
+    return s
+
+
+_DEVICE_VARS = tuple(f.metadata["env"] for f in fields(DeviceSettings) if "env" in f.metadata)
+_device: tuple[tuple, DeviceSettings] | None = None  # (the variables it was read from, it)
+_device_override: DeviceSettings | None = None
+
+
+def device() -> DeviceSettings:
+    """The device settings in force: a test's (`use_device`), else this process's environment's
+    (built again only when one of its variables changed)."""
+    global _device
+    if _device_override is not None:
+        return _device_override
+    seen = tuple(os.environ.get(name) for name in (*_DEVICE_VARS, "SANCTUM_HOME", *CUDNN_FLAGS))
+    if _device is None or _device[0] != seen:
+        _device = (seen, device_settings())
+    return _device[1]
+
+
+@contextmanager
+def use_device(settings: DeviceSettings | None = None, **changes) -> Iterator[DeviceSettings]:
+    """Inside the block the engine takes `settings` (default: the current ones) with `changes`."""
+    global _device_override
+    before = _device_override
+    _device_override = replace(settings or device(), **changes)
+    try:
+        yield _device_override
+    finally:
+        _device_override = before
 
 
 # ---- the front end ---------------------------------------------------------------------------
@@ -345,7 +417,7 @@ def serve_settings(
     )
     if s.transport not in TRANSPORTS:
         raise ValueError(f"transport must be auto, shm or object_store, got {s.transport!r}")
-    from .engine.sampling import ACCEPT_RULES
+    from .engine.decode.sampling import ACCEPT_RULES
 
     if s.min_tau != "auto":
         try:
@@ -384,7 +456,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-size", type=int, help="draft block size (default: drafter config)")
     p.add_argument("--bits", type=int, help="quantize the drafter at load (4, 8; 0 = none)")
-    from .engine.target import KV_MODES
+    from .engine.model.target import KV_MODES
 
     p.add_argument("--kv", dest="kv_mode", choices=KV_MODES, help="attention KV cache format")
 

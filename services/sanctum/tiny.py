@@ -16,8 +16,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
-from .engine.drafter import DraftBody, DraftHead
-from .engine.drafter_config import DrafterConfig, default_tap_ids
+from .engine.model.drafter import DraftBody, DraftHead
+from .engine.model.drafter.config import DrafterConfig, default_tap_ids
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 TINY_TOKENIZER = ASSETS / "tiny-tokenizer"

@@ -137,9 +137,9 @@ def steady(args, levels: list[int]) -> dict:
     to the plain run's first near tie (neartie.py)."""
     import mlx.core as mx
 
-    from ..engine.peer import LocalDraftPeer
-    from ..engine.rounds import BatchDecoder
-    from ..engine.speculative import make_key
+    from ..engine.decode.generate import make_key
+    from ..engine.decode.peer import LocalDraftPeer
+    from ..engine.decode.rounds import BatchDecoder
     from ..serving.inline import load_models
     from ..settings import engine_settings, model_flags
 
@@ -217,7 +217,7 @@ def steady(args, levels: list[int]) -> dict:
 def steady_budget(rounds: int, block_size: int) -> int:
     """max_tokens of a steady sequence: no sequence ends within `rounds` rounds. A round
     commits up to its block, and a looked-up block can be wider than the drafter's."""
-    from ..engine.speculative import LOOKUP_MAX_WIDTH
+    from ..engine.decode.policy import LOOKUP_MAX_WIDTH
 
     return 1 + rounds * max(block_size, LOOKUP_MAX_WIDTH)
 
@@ -225,7 +225,7 @@ def steady_budget(rounds: int, block_size: int) -> int:
 def open_level(decoder, settings, n: int, budget: int, key) -> tuple[list, list, list]:
     """N greedy sequences of the first N prompts, prefilled and started: (prompt ids,
     sequences, each sequence's tokens so far)."""
-    from ..engine.sampling import SamplingParams
+    from ..engine.decode.sampling import SamplingParams
 
     target = decoder.target
     prompts = [target.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
@@ -262,20 +262,17 @@ def count_rounds(decoder, seqs: list, key, out: list[list[int]], rounds: int) ->
 
 
 def _phases(decoder, seqs: list, key, out: list[list[int]], rounds: int) -> dict:
-    """`rounds` rounds with every phase awaited (`Decoder.profile`): ms a round of each phase,
+    """`rounds` rounds with every phase awaited (`DecodePolicy.profile`): ms a round of each phase,
     summed over the round's sequences (each step's stats hold its share of the shared phases)."""
     total = {"draft": 0.0, "verify": 0.0, "rollback": 0.0, "other": 0.0, "round": 0.0}
-    decoder.profile = True
-    try:
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            steps = _round(decoder, seqs, key, out, None)
-            total["round"] += time.perf_counter() - t0
-            for step in steps:
-                for name in ("draft", "verify", "rollback", "other"):
-                    total[name] += getattr(step.stats, f"{name}_s")
-    finally:
-        decoder.profile = False
+    decoder = decoder.with_policy(profile=True)
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        steps = _round(decoder, seqs, key, out, None)
+        total["round"] += time.perf_counter() - t0
+        for step in steps:
+            for name in ("draft", "verify", "rollback", "other"):
+                total[name] += getattr(step.stats, f"{name}_s")
     return {name: round(1000 * s / rounds, 2) for name, s in total.items()}
 
 

@@ -75,7 +75,7 @@ def _walks(target, cache, anchor: int, temperature: float, rows: int, n: int, ke
     marginal given the previous token (the module's docstring), from `anchor` on `cache`."""
     import mlx.core as mx
 
-    from ..engine.sampling import SamplingParams, probabilities
+    from ..engine.decode.sampling import SamplingParams, probabilities
 
     sampling = SamplingParams(temperature)
     caches = _repeat_cache(cache, 3 * n)
@@ -123,7 +123,7 @@ def _drafter_rows(target, drafter, prompts, samplings, args, settings, rows: int
 def run(args) -> list[dict]:
     import mlx.core as mx
 
-    from ..engine.sampling import SamplingParams
+    from ..engine.decode.sampling import SamplingParams
     from ..serving.inline import load_models
     from ..settings import engine_settings, model_flags
     from .decode import _run_once, context_prompts

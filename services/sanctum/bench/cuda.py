@@ -23,7 +23,8 @@ import numpy as np
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
 
-from ..engine import cuda, gdn, gdn_cuda, qmm_cuda
+from ..engine.kernels import cuda, gdn_cuda, qmm_cuda
+from ..engine.model import gdn
 from .decode import first_divergence
 
 SHAPES = {"seed": (16, 48, 128, 128), "default": (4, 8, 64, 64), "tiny": (2, 4, 32, 32)}
@@ -132,9 +133,9 @@ def _q8_attention() -> dict:
 
 
 def _end_to_end(tmp: Path) -> dict:
-    from ..engine.drafter import load_drafter
-    from ..engine.speculative import generate
-    from ..engine.target import load_target
+    from ..engine.decode.generate import generate
+    from ..engine.model.drafter import load_drafter
+    from ..engine.model.target import load_target
     from ..tiny import make_tiny
 
     target_dir, drafter_dir = make_tiny(tmp, "hybrid", "dflash2")

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..engine.speculative import RoundStats
+    from ..engine.decode.sequence import RoundStats
 
 
 def _run_once(
@@ -27,8 +27,8 @@ def _run_once(
     runs from the first token to the last, so a long prompt's prefill stays out of tok/s.
     `profile` syncs after each phase of a round, for an exact split (and slower rounds);
     `rule`: how sampled drafts are accepted; `min_tau`: the speculation gate (0: off)."""
-    from ..engine.sampling import SamplingParams
-    from ..engine.speculative import generate
+    from ..engine.decode.generate import generate
+    from ..engine.decode.sampling import SamplingParams
 
     t0 = time.perf_counter()
     steps, t_first = [], None
@@ -55,7 +55,7 @@ def _run_once(
 
 def _tau(rounds: list[RoundStats]) -> float:
     """The rounds' mean acceptance length, to 3 places (0 without a speculative round)."""
-    from ..engine.sampling import acceptance_length
+    from ..engine.decode.sampling import acceptance_length
 
     spec = [r.accepted for r in rounds if r.bs > 1]
     return round(acceptance_length(sum(spec), len(spec)) or 0.0, 3)
@@ -177,7 +177,7 @@ def tau(args) -> list[dict]:
     max_tokens. Greedy speculative output is checked against plain greedy output."""
     from dataclasses import replace
 
-    from ..engine.sampling import ACCEPT_RULES, SamplingParams
+    from ..engine.decode.sampling import ACCEPT_RULES, SamplingParams
     from ..serving.inline import load_models
     from ..settings import engine_settings, model_flags
 
@@ -196,7 +196,9 @@ def tau(args) -> list[dict]:
     _run_once(target, drafter, prompts[contexts[0]][0], 8, settings)  # warm up
     gate = 0.0
     if args.min_tau != "0":
-        from ..engine.speculative import GATE_PROBES, Decoder, LocalDraftPeer, gate_threshold
+        from ..engine.decode.decoder import Decoder
+        from ..engine.decode.generate import GATE_PROBES, gate_threshold
+        from ..engine.decode.peer import LocalDraftPeer
 
         probe = Decoder(target, drafter, LocalDraftPeer(drafter), blocks[0])
         gate = gate_threshold(args.min_tau, probe, GATE_PROBES[1])  # the sampled rounds' one

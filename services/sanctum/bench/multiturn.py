@@ -58,7 +58,7 @@ def multiturn(args) -> list[dict]:
     cache). Assistant replies go back into the history as generated, so the template's own
     rewriting (dropped <think> blocks) decides where the next prefix really ends."""
     from ..cache.store import PromptStore
-    from ..engine.speculative import LocalDraftPeer
+    from ..engine.decode.peer import LocalDraftPeer
     from ..serving.inline import load_models
     from ..serving.requests import GenerateRequest
     from ..serving.verifier import Verifier

@@ -101,8 +101,8 @@ def _arrays_of(obj, depth: int) -> list[mx.array]:
 def trace_level(decoder, seqs: list, passes: int) -> dict:
     """The pieces of a round of `seqs` (open, steady), each a piece of `Spans`, averaged
     over `passes` traced rounds after one untraced (graphs compiled, kernels built)."""
-    from ..engine import batch
-    from ..engine.target import cache_offset
+    from ..engine.decode import batch
+    from ..engine.model.target import cache_offset
 
     target, peer = decoder.target, decoder.peer
     N, L = len(seqs), decoder.block_size
@@ -160,9 +160,9 @@ def trace_level(decoder, seqs: list, passes: int) -> dict:
 def run(args) -> dict:
     """Trace each level (bench/batch.py's steady sequences), a JSON line each as it ends;
     then each piece's nodes and times at the largest level over its own at one sequence."""
-    from ..engine.peer import LocalDraftPeer
-    from ..engine.rounds import BatchDecoder
-    from ..engine.speculative import make_key
+    from ..engine.decode.generate import make_key
+    from ..engine.decode.peer import LocalDraftPeer
+    from ..engine.decode.rounds import BatchDecoder
     from ..serving.inline import load_models
     from ..settings import engine_settings, model_flags
     from .batch import _round, open_level, steady_budget

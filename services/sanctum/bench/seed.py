@@ -29,10 +29,14 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
-from ..engine import cuda, fused, gdn, qmm_cuda
-from ..engine.sampling import SamplingParams, acceptance_length, greedy_tokens
-from ..engine.speculative import Decoder, LocalDraftPeer, draft_ahead_default, make_key
-from ..engine.target import load_target
+from ..engine.decode.decoder import Decoder
+from ..engine.decode.generate import make_key
+from ..engine.decode.peer import LocalDraftPeer
+from ..engine.decode.policy import DecodePolicy, draft_ahead_default
+from ..engine.decode.sampling import SamplingParams, acceptance_length, greedy_tokens
+from ..engine.kernels import cuda, fused, qmm_cuda
+from ..engine.model import gdn
+from ..engine.model.target import load_target
 from .seedbuild import SMALL, SeedShape, ensure
 
 TAUS = (4, 5, 6, 8)
@@ -43,8 +47,8 @@ class ForcedDecoder(Decoder):
     """The real drafter, verify and rollback, with acceptance forced to `tau - 1` drafts a round
     (or the real rule when tau is None): what a round costs at that acceptance."""
 
-    def __init__(self, target, drafter, block_size: int, tau: int | None):
-        super().__init__(target, drafter, LocalDraftPeer(drafter), block_size)
+    def __init__(self, target, drafter, block_size: int, tau: int | None, policy=None):
+        super().__init__(target, drafter, LocalDraftPeer(drafter), block_size, policy)
         self.tau = tau
 
     def _accept(self, drafts, q, logits, params, key):
@@ -237,8 +241,9 @@ def plain_figures(target, prompt: list[int], n: int, repeats: int, kv: str) -> d
 def round_split(target, drafter, prompt, n, kv, split_tau) -> dict:
     """Rounds at forced acceptance with each phase synced: the mean and median split, the
     draft's pieces, each phase's share."""
-    forced = ForcedDecoder(target, drafter, drafter.block_size, split_tau)
-    forced.profile = True
+    forced = ForcedDecoder(
+        target, drafter, drafter.block_size, split_tau, DecodePolicy(profile=True)
+    )
     _decode(forced, prompt, 2 * drafter.block_size, kv)
     forced.draft_pieces.clear()
     rounds = _decode(forced, prompt, n, kv)[1]
@@ -262,8 +267,7 @@ def unsynced_rounds(target, drafter, prompt, n, kv, split_tau, plain_tok_s, ahea
     L = drafter.block_size
     out: dict = {"measured_speedup": {}}
     for tau in TAUS:
-        decoder = ForcedDecoder(target, drafter, L, min(tau, L))
-        decoder.draft_ahead = ahead
+        decoder = ForcedDecoder(target, drafter, L, min(tau, L), DecodePolicy(draft_ahead=ahead))
         tokens, stats, s = _decode(decoder, prompt, n, kv)
         out["measured_speedup"][tau] = round((len(tokens) - 1) / s / plain_tok_s, 3)
         if tau == split_tau:
@@ -288,8 +292,7 @@ def round_figures(target, drafter, prompt, n, kv, split_tau, plain_tok_s, plain_
         out["without_draft_ahead"] = unsynced_rounds(
             target, drafter, prompt, n, kv, split_tau, plain_tok_s, False
         )
-    bare = DraftlessDecoder(target, drafter, L, min(split_tau, L))
-    bare.draft_ahead = False
+    bare = DraftlessDecoder(target, drafter, L, min(split_tau, L), DecodePolicy(draft_ahead=False))
     _, stats, s = _decode(bare, prompt, n, kv)
     bare_ms = 1000 * s / len(stats)
     out["unsynced_round_ms_without_drafting"] = round(bare_ms, 3)
@@ -333,7 +336,7 @@ def verify_ablations(target, prompt, tap_ids, reps: int, kv: str, say) -> dict:
 
 
 def seed(args) -> dict:
-    from ..engine.drafter import load_drafter
+    from ..engine.model.drafter import load_drafter
     from ..settings import sanctum_home
 
     shape = _shape(args)

@@ -25,8 +25,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
-from ..engine.drafter import DraftBody, DraftHead
-from ..engine.drafter_config import DrafterConfig
+from ..engine.model.drafter import DraftBody, DraftHead
+from ..engine.model.drafter.config import DrafterConfig
 from ..tiny import TINY_TOKENIZER, copy_tokenizer, to_hf_weights
 
 SEED_TAPS = (5, 19, 33, 47, 61)

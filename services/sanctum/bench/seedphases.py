@@ -19,8 +19,8 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
 
-from ..engine import gdn
-from ..engine.target import DequantizedView, Target
+from ..engine.model import gdn
+from ..engine.model.target import DequantizedView, Target
 
 
 def per_call_ms(build: Callable[[], list], reps: int = 8, rounds: int = 3) -> float:

@@ -68,7 +68,7 @@ class DrafterActor:
 
     def __init__(self, settings: ServeSettings, shape: tuple[int, int, int]):
         _setup_process(settings.processes)
-        from ..engine.drafter import load_drafter
+        from ..engine.model.drafter import load_drafter
         from .drafter import DraftService
         from .transport import SocketServer
 

@@ -307,7 +307,7 @@ class ClusterBackend:
 
 def target_shape(model: str) -> tuple[int, int, int]:
     """(num_layers, hidden, vocab) from the target's config, without loading its weights."""
-    from ..engine.target import read_config, resolve_checkpoint
+    from ..engine.model.checkpoint import read_config, resolve_checkpoint
 
     raw = read_config(resolve_checkpoint(model))
     text = raw.get("text_config", raw)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..engine.peer import DraftUnavailable, LocalDraftPeer
+from ..engine.decode.peer import DraftUnavailable, LocalDraftPeer
 from ..settings import TRANSPORTS
 from ..wire.gen import roles_pb2 as roles
 from .transport import ChannelBroken, ObjectStoreChannel, ShmChannel

@@ -23,9 +23,9 @@ from .requests import Chunk, GenerateRequest
 from .stats import EntryInfo, Stats, cache_stats, entry_infos, serving_stats
 
 if TYPE_CHECKING:  # the models load in the role processes: a front end need not import them
-    from ..engine.drafter import Drafter
-    from ..engine.peer import DraftPeer
-    from ..engine.target import Target
+    from ..engine.decode.peer import DraftPeer
+    from ..engine.model.drafter import Drafter
+    from ..engine.model.target import Target
     from .verifier import Verifier
 
 log = logging.getLogger("sanctum.backend")
@@ -58,8 +58,8 @@ class RoundDelay:
 
 def load_models(e: EngineSettings, parts: str = "both") -> tuple[Target, Drafter | None]:
     """The target, and the drafter (`parts`: "both", or "head" when the body runs elsewhere)."""
-    from ..engine.drafter import load_drafter
-    from ..engine.target import load_target
+    from ..engine.model.drafter import load_drafter
+    from ..engine.model.target import load_target
 
     target = load_target(e.model)
     drafter = None
@@ -78,7 +78,9 @@ def make_verifier(
 ) -> Verifier:
     """Load the target and wrap it in the verifier role. Without `remote_peer` the whole
     drafter is loaded here (inline); with it, only the drafter head (the body is remote)."""
-    from ..engine.speculative import GATE_PROBES, LocalDraftPeer, gate_threshold
+    from ..engine.decode.generate import GATE_PROBES, gate_threshold
+    from ..engine.decode.peer import LocalDraftPeer
+    from ..engine.decode.policy import DecodePolicy
     from .verifier import Verifier
 
     e = settings.engine
@@ -98,13 +100,15 @@ def make_verifier(
         e.block_size,
         settings.max_tokens_limit,
         settings.cache.ladder_bytes,
+        DecodePolicy(
+            adaptive=bool(settings.adaptive_width),
+            accept_rule=settings.accept_rule,
+            lookup_min=settings.lookup_min,
+        ),
     )
-    d = verifier.decoder
-    d.adaptive = bool(settings.adaptive_width)
-    d.accept_rule = settings.accept_rule
-    if settings.lookup_min is not None:
-        d.lookup_min = settings.lookup_min
-    d.min_tau, d.min_tau_sampled = (gate_threshold(settings.min_tau, d, s) for s in GATE_PROBES)
+    d = verifier.decoder  # the gate's thresholds are measured on it, then fixed in its policy
+    greedy, sampled = (gate_threshold(settings.min_tau, d, s) for s in GATE_PROBES)
+    verifier.decoder = d.with_policy(min_tau=greedy, min_tau_sampled=sampled)
     return verifier
 
 

@@ -12,7 +12,7 @@ import math
 import uuid
 from dataclasses import dataclass, field
 
-from ..engine.sampling import SamplingParams
+from ..engine.decode.sampling import SamplingParams
 from ..tokenizer import CHAT_ROLES
 from .errors import InvalidRequest
 
@@ -184,7 +184,7 @@ def validate(req: GenerateRequest, limits: Limits) -> None:
 def kv_modes() -> tuple[str, ...]:
     """The engine's KV formats (engine/target.py; imported here only when validating, so that
     a client importing the request types does not load mlx-lm)."""
-    from ..engine.target import KV_MODES
+    from ..engine.model.target import KV_MODES
 
     return KV_MODES
 

@@ -18,11 +18,15 @@ import mlx.core as mx
 
 from ..cache.ladder import choose_rungs, make_entry, prefill_stops, restore_into
 from ..cache.store import ResumePlan
-from ..engine.drafter import Drafter
-from ..engine.rounds import BatchDecoder
-from ..engine.sampling import acceptance_length
-from ..engine.speculative import Decoder, DraftPeer, Sequence, make_key
-from ..engine.target import Target, VerifyTape
+from ..engine.decode.decoder import Decoder
+from ..engine.decode.generate import make_key
+from ..engine.decode.peer import DraftPeer
+from ..engine.decode.policy import DecodePolicy
+from ..engine.decode.rounds import BatchDecoder
+from ..engine.decode.sampling import acceptance_length
+from ..engine.decode.sequence import Sequence
+from ..engine.model.drafter import Drafter
+from ..engine.model.target import Target, VerifyTape
 from ..tokenizer import Reencoder, TextStream, message_starts, render_chat
 from .requests import (
     Chunk,
@@ -139,9 +143,10 @@ class Verifier:
         block_size: int | None = None,
         max_tokens_limit: int = 4096,
         ladder_bytes: int = 0,
+        policy: DecodePolicy | None = None,
     ):
         self.target = target
-        self.decoder = BatchDecoder(target, drafter, peer, block_size)
+        self.decoder = BatchDecoder(target, drafter, peer, block_size, policy)
         self.store = store
         self.ladder_depth = ladder_depth
         self.ladder_bytes = ladder_bytes  # rung bytes per conversation (0: by depth alone)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..engine.drafter import CandidateSelector, DraftBody
-from ..engine.drafter_config import DrafterConfig
-from ..engine.target import Target
+from ..engine.model.drafter import CandidateSelector, DraftBody
+from ..engine.model.drafter.config import DrafterConfig
+from ..engine.model.target import Target
 
 GAMMA = {8: 4.0, 16: 7.0}  # position-weight decay per block size (docs/design/drafter.md)
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..engine.drafter import SAMPLING_CANDIDATES
-from ..engine.target import Target
+from ..engine.model.drafter import SAMPLING_CANDIDATES
+from ..engine.model.target import Target
 from .blocks import block_rows, sample_anchors, selector_scores, target_pass
 
 SCALES = (0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.7, 2.0)

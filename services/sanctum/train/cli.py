@@ -96,7 +96,7 @@ def cmd_target(args) -> int:
 
 
 def cmd_drafter(args) -> int:
-    from ..engine.target import load_target
+    from ..engine.model.target import load_target
     from .drafter import DrafterShape, DrafterTraining, target_for_training, train_drafter
     from .gdn import chunked_gdn
     from .regen import load_regen
@@ -136,7 +136,7 @@ def cmd_drafter(args) -> int:
 
 
 def cmd_regen(args) -> int:
-    from ..engine.target import load_target
+    from ..engine.model.target import load_target
     from .drafter import target_for_training
     from .gdn import chunked_gdn
     from .regen import build_regen, save_regen
@@ -190,7 +190,7 @@ def cmd_plot(args) -> int:
 
 
 def cmd_pack(args) -> int:
-    from ..engine.target import load_target
+    from ..engine.model.target import load_target
     from .pack import pack_drafter, pack_target
 
     out = Path(args.out)
@@ -212,7 +212,7 @@ def cmd_pack(args) -> int:
 def cmd_calibrate(args) -> int:
     import numpy as np
 
-    from ..engine.target import load_target
+    from ..engine.model.target import load_target
     from .calibrate import fit_scale, held_out_rows, write_scale
     from .data import sample_windows
     from .drafter import crop, init_trainee, target_for_training

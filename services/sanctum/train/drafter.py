@@ -23,10 +23,10 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten
 
-from ..engine import fused
-from ..engine.drafter import CandidateSelector, DraftBody
-from ..engine.drafter_config import DrafterConfig, default_tap_ids
-from ..engine.target import Target
+from ..engine.kernels import fused
+from ..engine.model.drafter import CandidateSelector, DraftBody
+from ..engine.model.drafter.config import DrafterConfig, default_tap_ids
+from ..engine.model.target import Target
 from ..tokenizer import MASK
 from .blocks import draft_loss, position_weights, sample_anchors, target_pass
 from .data import Corpus, sample_windows
@@ -186,7 +186,7 @@ def new_trainee(cfg: DrafterConfig) -> Trainee:
 def init_trainee(path: str | Path, target: Target) -> tuple[Trainee, dict]:
     """A trained drafter (packed or not: quantized weights come back dequantized) in float32,
     and its config without the storage `quantization` entry, to fine-tune from."""
-    from ..engine.drafter import load_drafter
+    from ..engine.model.drafter import load_drafter
 
     drafter = load_drafter(path, target)
     fused.unfuse(drafter.body)  # trained: every layer computes from its own parameters

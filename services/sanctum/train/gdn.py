@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 from mlx import nn
 
-from ..engine.gdn import chunked_gated_delta  # the engine's verify/prefill use it too
+from ..engine.model.gdn import chunked_gated_delta  # the engine's verify/prefill use it too
 
 
 @contextmanager

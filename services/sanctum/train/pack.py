@@ -41,7 +41,7 @@ def pack_target(src: str | Path, out: str | Path, bits: int = 6) -> Path:
 def pack_drafter(src: str | Path, out: str | Path, target=None, bits: int = 8) -> Path:
     """Save a DFlash drafter's body with its linear layers quantized to `bits` (group 64); a
     DFlash 2 drafter's candidate selector stays as it is (bfloat16), beside it."""
-    from ..engine.drafter import _quantizable, load_drafter
+    from ..engine.model.drafter.load import _quantizable, load_drafter
 
     src, out = Path(src), Path(out)
     drafter = load_drafter(src, target, parts="both" if target is not None else "body")

@@ -27,7 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..engine.target import Target
+from ..engine.model.target import Target
 from .data import (
     REVIEW_SYSTEM,
     Corpus,

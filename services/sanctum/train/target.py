@@ -143,7 +143,7 @@ def position_loss(target_dir: str | Path, tokens: np.ndarray, seq_len: int = 819
     """Held-out next-token loss by position: mean loss of the tokens at positions [a, b) of
     `windows` fixed windows of `seq_len` tokens (the held-out files joined), per bucket. Shows
     whether a model holds up past the length it was trained on."""
-    from ..engine.target import load_target
+    from ..engine.model.target import load_target
 
     target = load_target(target_dir)
     rng = np.random.default_rng(1234)

@@ -13,7 +13,7 @@ import re
 import uuid
 from dataclasses import asdict
 
-from ..engine.sampling import acceptance_length
+from ..engine.decode.sampling import acceptance_length
 from ..serving.errors import InvalidRequest
 from ..serving.requests import Chunk, GenerateRequest, Usage
 from ..serving.stats import EntryInfo, Stats

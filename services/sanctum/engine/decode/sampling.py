@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import cpu
+from ..kernels import cpu
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Fused CUDA kernels for a draft layer (issue 16: a draft was a quarter of a seed round, bound
-by its kernel launches, ~43 a layer), through `mx.fast.cuda_kernel`.
+"""Fused CUDA kernels for a draft layer, through `mx.fast.cuda_kernel`: a draft on a GPU is bound
+by its kernel launches, and these take a layer's many small kernels down to two.
 
 - `block_attention`: a draft block's whole attention after the fused q/k/v product. From that
   product it norms and rotates the block's queries and keys, reads the layer's context keys and
@@ -31,6 +31,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+
+from .draft_reference import check_attention, check_conv
+from .draft_reference import reference_attention as reference_attention  # callers' stand-ins
+from .draft_reference import reference_conv as reference_conv
 
 WARPS = 8  # warps per thread block of block_attention
 SHARED_BYTES = 40 * 1024  # what block_attention's static shared arrays may take
@@ -419,129 +423,6 @@ def dynamic_conv(
         output_dtypes=[u16],
     )
     return mx.view(out, mx.bfloat16)
-
-
-# ---- the MLX path, as engine/drafter.py computes it ------------------------------------------
-
-
-def reference_attention(qkv, q_norm, k_norm, ctx_keys, ctx_values, start, bounds, spec, inv_freq):
-    """What `block_attention` computes, by MLX's ops as DraftAttention runs them (the split, the
-    norms, RoPE, the context rows begin..end, the reference's mask, MLX's attention)."""
-    from .attention import scaled_dot_product_attention
-    from .drafter import block_attention_mask
-
-    B, L, _ = qkv.shape
-    Hq, Hk, D = spec.heads, spec.kv_heads, spec.head_dim
-    q, k, v = mx.split(qkv, [Hq * D, (Hq + Hk) * D], axis=-1)
-    pos = int(start.reshape(-1)[0].item())
-    begin, end = (int(t) for t in bounds.tolist()[:2])
-
-    def norm_rope(t, heads, weight):
-        t = mx.fast.rms_norm(t.reshape(B, L, heads, D), weight, spec.eps).transpose(0, 2, 1, 3)
-        return mx.fast.rope(
-            t, D, traditional=False, base=spec.rope_base, scale=spec.rope_scale, offset=pos
-        )
-
-    q, k = norm_rope(q, Hq, q_norm), norm_rope(k, Hk, k_norm)
-    v = v.reshape(B, L, Hk, D).transpose(0, 2, 1, 3)
-    if end > begin:
-        k = mx.concatenate([ctx_keys[:, :, begin:end], k], axis=2)
-        v = mx.concatenate([ctx_values[:, :, begin:end], v], axis=2)
-    mask = block_attention_mask(end - begin, L, spec.causal, spec.window)
-    out = scaled_dot_product_attention(q, k, v, None, spec.scale, mask)
-    return out.transpose(0, 2, 1, 3).reshape(B, L, Hq * D)
-
-
-def reference_conv(x, dyn, base, which: int, group: int, residual=None):
-    """What `dynamic_conv` computes, by DynamicConv.apply's ops (engine/drafter.py)."""
-    from .drafter import DynamicConv
-
-    B, L, H = x.shape
-    K = base.shape[1]
-    conv = DynamicConv.__new__(DynamicConv)
-    conv.kernel, conv.group = K, group
-    object.__setattr__(conv, "base_kernel", base)
-    out = DynamicConv.apply(conv, x, dyn.reshape(B, L, 2, K, H // group, 1), which)
-    return out if residual is None else residual + out
-
-
-# ---- the check at load ---------------------------------------------------------------------
-
-
-def _bf16(shape, key, scale=1.0):
-    return (scale * mx.random.normal(shape, key=key)).astype(mx.bfloat16)
-
-
-def check_attention(fn, spec: AttentionSpec, rows=(8, 16), contexts=None, compiled=True):
-    """Compare `fn` (the kernel, or a stand-in) with `reference_attention` over contexts shorter
-    than, equal to and (for a sliding layer) clipped by the window, at the block widths `rows`:
-    None when they agree within bfloat16 rounding, else why not."""
-    D, Hk = spec.head_dim, spec.kv_heads
-    w = spec.window
-    if contexts is None:
-        contexts = (0, 37, 300) if w is None else (0, 37, w - 1, max(1, w - 5))
-    key = mx.random.key(7)
-    inv_freq = spec.inv_freq()
-    for L in rows:
-        for C in contexts:
-            ks = mx.random.split(key, 6)
-            key = ks[0]
-            front, cap = 11, 11 + C + 40  # rows outside begin..end hold junk the kernel must skip
-            qkv = _bf16((1, L, (spec.heads + 2 * Hk) * D), ks[1], 2.0)
-            q_norm = (1 + 0.1 * mx.random.normal((D,), key=ks[2])).astype(mx.bfloat16)
-            k_norm = (1 - 0.1 * mx.random.normal((D,), key=ks[3])).astype(mx.bfloat16)
-            keys, values = _bf16((1, Hk, cap, D), ks[4]), _bf16((1, Hk, cap, D), ks[5])
-            start = mx.array(C + 1234, mx.int32)
-            bounds = mx.array([front, front + C, cap], mx.int32)
-            args = (qkv, q_norm, k_norm, keys, values, start, bounds)
-            want = reference_attention(*args, spec, inv_freq)
-            try:
-                results = {"eager": fn(*args, spec, inv_freq)}
-                if compiled:
-                    results["compiled"] = mx.compile(lambda *a: fn(*a, spec, inv_freq))(*args)
-                mx.eval(want, results)
-            except Exception as exc:  # a kernel that does not build or run on this GPU
-                return f"L={L} C={C}: {exc.__class__.__name__}: {str(exc)[:300]}"
-            scale = mx.abs(want.astype(mx.float32)).max().item() + 1e-6
-            for name, got in results.items():
-                if got.shape != want.shape or got.dtype != want.dtype:
-                    return f"L={L} C={C} {name}: {got.shape} {got.dtype}"
-                err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
-                if not err <= 2e-2 * scale:  # also false for NaN
-                    return f"L={L} C={C} {name}: max error {err:.3g} (scale {scale:.3g})"
-    return None
-
-
-def check_conv(fn, hidden: int, kernel: int, group: int, rows=(1, 2, 8, 16), compiled=True):
-    """Compare `fn` with `reference_conv` (both kinds, with and without the residual): None when
-    equal (the same roundings in the same order: a bfloat16 ulp at most), else why not."""
-    key = mx.random.key(5)
-    for L in rows:
-        ks = mx.random.split(key, 5)
-        key = ks[0]
-        x, res = _bf16((1, L, hidden), ks[1]), _bf16((1, L, hidden), ks[2])
-        dyn = _bf16((1, L, 2 * kernel * (hidden // group)), ks[3], 0.5)
-        base = _bf16((2, kernel, hidden), ks[4], 0.5)
-        for which in (0, 1):
-            for r in (None, res):
-                want = reference_conv(x, dyn, base, which, group, r)
-                try:
-                    results = {"eager": fn(x, dyn, base, which, group, r)}
-                    if compiled:
-                        results["compiled"] = mx.compile(
-                            lambda a, b, c, r_=r, w_=which: fn(a, b, c, w_, group, r_)
-                        )(x, dyn, base)
-                    mx.eval(want, results)
-                except Exception as exc:
-                    return f"L={L}: {exc.__class__.__name__}: {str(exc)[:300]}"
-                scale = mx.abs(want.astype(mx.float32)).max().item() + 1e-6
-                for name, got in results.items():
-                    if got.shape != want.shape or got.dtype != want.dtype:
-                        return f"L={L} {name}: {got.shape} {got.dtype}"
-                    err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
-                    if not err <= 1e-2 * scale:
-                        return f"L={L} which={which} {name}: max error {err:.3g}"
-    return None
 
 
 def verdict(specs: list[dict], convs: list[list[int]], rows: list[int]) -> dict:

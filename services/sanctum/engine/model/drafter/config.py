@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .target import CheckpointError
+from ..checkpoint import CheckpointError
 
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 

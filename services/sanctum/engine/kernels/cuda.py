@@ -35,33 +35,34 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
 
-from . import draft_cuda, gdn, gdn_cuda, qmm_cuda
+from ... import settings
+from . import draft_cuda, gdn_cuda, platform, qmm_cuda
 
 log = logging.getLogger("sanctum.cuda")
 Q8_MODES = ("auto", "quantized", "dequantized")
-_CUDNN_FLAGS = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_CUDA_USE_CUDNN_SPDA")
 _checked: dict = {}  # (Hk, Hv, Dk, Dv, dtype) -> None (agrees) or why not
-
-
-def _cuda_available() -> bool:
-    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
+# the GDN block kernel in force: whether it is, and whether compiled graphs may take it
+_gdn = {"in_use": False, "in_compile": True}
 
 
 def is_cuda() -> bool:
-    """The default device is an NVIDIA GPU (MLX's CUDA backend)."""
-    return mx.default_device() == mx.gpu and not mx.metal.is_available() and _cuda_available()
+    """The device path is an NVIDIA GPU's (MLX's CUDA backend)."""
+    return platform.current().is_cuda
 
 
 def _disable_cudnn_sdpa() -> None:
-    if _cuda_available() and not any(f in os.environ for f in _CUDNN_FLAGS):
-        for flag in _CUDNN_FLAGS:
-            os.environ[flag] = "0"
+    if platform._cuda_available() and not any(
+        v is not None for _, v in settings.device().cudnn_sdpa
+    ):
+        for flag in settings.CUDNN_FLAGS:
+            os.environ[flag] = "0"  # MLX reads it from the environment, at its first attention
 
 
 _disable_cudnn_sdpa()
@@ -69,18 +70,25 @@ _disable_cudnn_sdpa()
 
 def q8_dequantized() -> bool:
     """Whether attention over an 8-bit KV cache reads dequantized K/V on this device."""
-    mode = os.environ.get("SANCTUM_Q8_ATTENTION", "auto")
+    mode = settings.device().q8_attention
     if mode not in Q8_MODES:
         raise ValueError(f"SANCTUM_Q8_ATTENTION must be one of {Q8_MODES}, got {mode!r}")
     return mode == "dequantized" or (mode == "auto" and is_cuda())
 
 
-def prepare(gdn_shapes: set[tuple[int, int, int, int]], dtype: mx.Dtype) -> None:
+# what `prepare` hands the GDN layers: (kernel or None, it keeps every row's state, in compile)
+InstallGDN = Callable[[Callable | None, bool, bool], None]
+
+
+def prepare(
+    gdn_shapes: set[tuple[int, int, int, int]], dtype: mx.Dtype, install: InstallGDN
+) -> None:
     """At load, on CUDA: check the fused GDN kernel on the model's head shapes (Hk, Hv, Dk, Dv)
-    and this activation dtype, and use it only when every shape agrees with the MLX path."""
+    and this activation dtype, and `install` it only when every shape agrees with the MLX path
+    (`install(None, ...)` when one disagrees)."""
     if not is_cuda() or not gdn_shapes:
         return
-    if os.environ.get("SANCTUM_GDN_KERNEL", "auto") == "off":
+    if settings.device().gdn_kernel == "off":
         log.warning("GDN block kernel off (SANCTUM_GDN_KERNEL=off): the MLX path runs")
         return
     problems = []
@@ -94,15 +102,16 @@ def prepare(gdn_shapes: set[tuple[int, int, int, int]], dtype: mx.Dtype) -> None
         if _checked[key] not in (None, "eager only"):
             problems.append(f"{shape}: {_checked[key]}")
     if problems:
-        gdn.BLOCK_KERNEL = None
+        install(None, False, True)
+        _gdn["in_use"] = False
         log.error(
             "GDN block kernel DISAGREES with the MLX path, using MLX: %s", "; ".join(problems)
         )
         print(f"sanctum: GDN CUDA kernel disabled: {'; '.join(problems)}", file=sys.stderr)
         return
-    gdn.BLOCK_KERNEL = gdn_cuda.gated_delta_cuda
-    gdn.BLOCK_KERNEL_KEEPS_ROWS = True  # checked with its per-row states too
-    gdn.BLOCK_KERNEL_IN_COMPILE = "eager only" not in (_checked[(*s, dtype)] for s in gdn_shapes)
+    in_compile = "eager only" not in (_checked[(*s, dtype)] for s in gdn_shapes)
+    install(gdn_cuda.gated_delta_cuda, True, in_compile)  # checked with its per-row states too
+    _gdn.update(in_use=True, in_compile=in_compile)
     log.info("GDN block kernel checked on %s (%s): in use", sorted(gdn_shapes), dtype)
 
 
@@ -111,14 +120,13 @@ def verdict(shape: tuple[int, int, int, int], dtype: mx.Dtype) -> str | None:
     name = str(dtype).rsplit(".", 1)[-1]
     source = hashlib.sha1(gdn_cuda.SOURCES[True].encode()).hexdigest()[:12]
     key = f"mlx {mx.__version__} kernel {source} {list(shape)} {name}"
-    return _child_verdict(key, ["sanctum.engine.gdn_cuda", json.dumps(list(shape)), name])
+    return _child_verdict(key, ["sanctum.engine.kernels.gdn_cuda", json.dumps(list(shape)), name])
 
 
 def _child_verdict(key: str, module_args: list[str]) -> str | None:
     """The verdict a kernel module's check prints (`python -m module args`), run in a child
     process and remembered under `key` in $SANCTUM_HOME/cuda-checks.json."""
-    path = Path(os.environ.get("SANCTUM_HOME", Path.home() / ".cache" / "sanctum"))
-    path = path / "cuda-checks.json"
+    path = Path(settings.device().home) / "cuda-checks.json"
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -153,16 +161,19 @@ def prepare_linear(model) -> None:
     SANCTUM_QMM_KERNEL=off keeps MLX's kernel."""
     if not is_cuda():
         return
-    if os.environ.get("SANCTUM_QMM_KERNEL", "auto") == "off":
+    if settings.device().qmm_kernel == "off":
         _qmm["verdict"] = "off (SANCTUM_QMM_KERNEL=off)"
         return
     source = hashlib.sha1((qmm_cuda.HEADER + qmm_cuda.SOURCE).encode()).hexdigest()[:12]
-    result = _child_verdict(f"mlx {mx.__version__} qmm {source}", ["sanctum.engine.qmm_cuda"])
+    result = _child_verdict(
+        f"mlx {mx.__version__} qmm {source}", ["sanctum.engine.kernels.qmm_cuda"]
+    )
     _qmm["verdict"] = result or "ok"
     if result is not None:
         log.error("few-row 4-bit matmul kernel DISAGREES with MLX, not used: %s", result)
         print(f"sanctum: few-row 4-bit kernel disabled: {result}", file=sys.stderr)
         return
+    qmm_cuda.SPLIT_ROWS = settings.device().qmm_split_rows
     layers = qmm_cuda.install(model)
     _qmm["layers"] += layers  # over every model this process loaded (report())
     log.info(
@@ -181,7 +192,7 @@ def prepare_drafter(body, block_rows: tuple[int, ...] = (8, 16)) -> None:
     with the MLX path on this GPU; SANCTUM_DRAFT_KERNELS=off keeps MLX's ops."""
     if not is_cuda() or body is None:
         return
-    if os.environ.get("SANCTUM_DRAFT_KERNELS", "auto") == "off":
+    if settings.device().draft_kernels == "off":
         _draft["verdict"] = "off (SANCTUM_DRAFT_KERNELS=off)"
         return
     if body.fc.weight.dtype != mx.bfloat16:
@@ -200,7 +211,7 @@ def prepare_drafter(body, block_rows: tuple[int, ...] = (8, 16)) -> None:
     args = json.dumps({"specs": specs_args, "convs": conv_args, "rows": list(block_rows)})
     source = (draft_cuda.HEADER + draft_cuda.ATTENTION_SOURCE + draft_cuda.CONV_SOURCE).encode()
     key = f"mlx {mx.__version__} draft {hashlib.sha1(source).hexdigest()[:12]} {args}"
-    result = _child_verdict(key, ["sanctum.engine.draft_cuda", args])
+    result = _child_verdict(key, ["sanctum.engine.kernels.draft_cuda", args])
     if not isinstance(result, dict):  # the child failed: its message
         result = {"attention": result, "conv": result}
     attention_ok = bool(specs) and result.get("attention") is None
@@ -254,11 +265,12 @@ def report() -> dict:
     """The decisions in force, for benchmark output."""
     return {
         "device": str(mx.default_device()),
+        "device_path": platform.current().path,
         "cuda": is_cuda(),
-        "cudnn_sdpa": {f: os.environ.get(f) for f in _CUDNN_FLAGS},
+        "cudnn_sdpa": dict(settings.device().cudnn_sdpa),
         "q8_attention": "dequantized" if q8_dequantized() else "quantized",
-        "gdn_block_kernel": gdn.BLOCK_KERNEL is gdn_cuda.gated_delta_cuda,
-        "gdn_block_kernel_in_compile": gdn.BLOCK_KERNEL_IN_COMPILE,
+        "gdn_block_kernel": _gdn["in_use"],
+        "gdn_block_kernel_in_compile": _gdn["in_compile"],
         "gdn_kernel_checks": {str(k[:4]) + f" {k[4]}": v or "ok" for k, v in _checked.items()},
         "few_row_qmm_kernel": dict(_qmm),
         "draft_kernels": dict(_draft),

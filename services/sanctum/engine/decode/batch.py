@@ -20,11 +20,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
-from . import cuda
-from .attention import attention_over, scaled_dot_product_attention
-from .drafter import ContextCache, DraftBody, block_attention_mask
-from .gdn import GDNBatchTape, _math_for, batch_tape_entry, cache_states
-from .target import BatchTape, DequantizedView, Target, VerifyTape, cache_offset
+from ..kernels import cuda
+from ..kernels.draft_reference import block_attention_mask
+from ..model.attention import attention_over, scaled_dot_product_attention
+from ..model.drafter import ContextCache, DraftBody
+from ..model.gdn import GDNBatchTape, _math_for, batch_tape_entry, cache_states
+from ..model.target import BatchTape, DequantizedView, Target, VerifyTape, cache_offset
 
 
 def verify_batch(

@@ -8,8 +8,8 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from ..model.drafter import Drafter
 from .batch import draft_batch
-from .drafter import Drafter
 
 # The most context rows a sequence keeps for its drafter (engine/taps.py), and so the most it
 # sends at once: after a long prompt, or to a drafter that lost its context (a restart).

@@ -2,10 +2,9 @@
 sibling products of engine/fused.py among them; a draft head; a shared verify's blocks, 16
 rows a call: `rows_qmm`), through `mx.fast.cuda_kernel`.
 
-Why: on the H200, MLX CUDA's quantized matmul at 8 rows costs ~2.6x its one-row kernel when the
-layers run one after the other (measured in place at the seed's shapes: the 64 MLPs of a verify
-take 22.4 ms at 8 rows against 8.5 ms at one), so an 8-row verify paid for its rows in every
-projection although a few rows should cost what one does (the weights are read once).
+Why: MLX CUDA's quantized matmul at 8 rows costs several times its one-row kernel when the
+layers run one after the other (docs/performance.md), so an 8-row verify paid for its rows in
+every projection although a few rows should cost what one does (the weights are read once).
 
 How: the tensor cores' bf16 mma (m16n8k16, float32 sums), the x rows as its n (8 rows a tile,
 two tiles up to 16 rows, absent rows zero). A thread block owns 16 output features; its warps
@@ -26,7 +25,6 @@ than MLX's there (engine/cuda.py).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from contextlib import contextmanager
 
@@ -282,11 +280,10 @@ def _through_kernel(x: mx.array, w, scales, biases) -> mx.array | None:
 
 
 # A shared verify's products (N blocks of 8 rows: 32, 64) go through the kernel MAX_ROWS rows
-# a call, reading the weights once a call, instead of MLX's 4-bit matrix kernel: on the H200
-# a shared verify of 8 blocks at the seed's shapes (16 layers) took 21.5 ms this way against
-# 35.5 ms with MLX's (its qmm_sm80 and qmm_naive kernels: 29 of the 40 ms of GPU time). Longer
-# passes (prefill chunks) keep MLX's. SANCTUM_QMM_SPLIT_ROWS=16: one call's rows only.
-SPLIT_ROWS = int(os.environ.get("SANCTUM_QMM_SPLIT_ROWS", "64"))
+# a call, reading the weights once a call, instead of MLX's 4-bit matrix kernel (faster there:
+# docs/performance.md). Longer passes (prefill chunks) keep MLX's. SANCTUM_QMM_SPLIT_ROWS=16:
+# one call's rows only.
+SPLIT_ROWS = 64  # SANCTUM_QMM_SPLIT_ROWS, set by cuda.prepare_linear
 
 
 def rows_qmm(x: mx.array, w, scales, biases) -> mx.array:

@@ -7,7 +7,6 @@ Knows nothing about drafters, tokenization policy, prompt caches, Ray or gRPC.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
-from . import attention, cpu, cuda, fused, gdn
+from ..kernels import cpu, cuda, fused, platform, sdpa
+from . import attention, gdn
+from .checkpoint import CheckpointError, read_config, resolve_checkpoint
 from .gdn import COMPILE_MAX_ROWS, GDNBatchTape, GDNTape
 
 # mlx-lm model types whose layers are all full attention or Gated DeltaNet.
@@ -24,42 +25,9 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_
 KV_MODES = ("fp16", "q8")
 PREFILL_CHUNK = 2048
 # On a GPU a forward hands every this many layers to the device as soon as they are built
-# (mx.async_eval), so the device runs the first layers while Python builds the rest: a verify's
-# graph takes ~5 ms of host time at the seed's 64 layers, which nothing else hides. On the CPU
-# the same thread would do both, so there it does not.
+# (mx.async_eval), so the device runs the first layers while Python builds the rest; on the
+# CPU the same thread would do both, so there it does not (platform.Platform.async_layers).
 ASYNC_LAYERS = 16
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be used; the message names the problem."""
-
-
-def resolve_checkpoint(path_or_id: str | Path) -> Path:
-    """A local directory, or a hub id resolved through huggingface-hub's local cache (offline)."""
-    path = Path(path_or_id).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise CheckpointError(f"{path_or_id}: not a directory")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(str(path_or_id), local_files_only=True))
-    except Exception as exc:
-        raise CheckpointError(
-            f"{path_or_id}: no such directory, and not in the local Hugging Face cache "
-            f"(nothing is downloaded at run time): {exc.__class__.__name__}"
-        ) from None
-
-
-def read_config(path: Path) -> dict:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{path}: missing config.json")
-    try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
 
 
 @dataclass
@@ -112,7 +80,7 @@ class Target:
         self._first_gdn = next((i for i, g in enumerate(self.is_gdn) if g), None)
         self._compiled_mlp: dict = {}
         self._plans: dict = {}
-        self.async_layers = ASYNC_LAYERS if mx.default_device() == mx.gpu else 0
+        self.async_layers = ASYNC_LAYERS if platform.current().is_gpu else 0
         max_pos = text_config.get("max_position_embeddings") or 32768
         self.max_context = int(max_pos)
         self.dtype = self.embed_tokens(mx.array([0])).dtype  # the activations'
@@ -120,7 +88,9 @@ class Target:
         self.dequantize_q8 = cuda.q8_dequantized()
         mixers = [layer.linear_attn for layer, g in zip(self.layers, self.is_gdn) if g]
         shapes = {(m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim) for m in mixers}
-        cuda.prepare(shapes, self.dtype)  # on CUDA: check the fused GDN kernel on these
+        cuda.prepare(
+            shapes, self.dtype, gdn.use_block_kernel
+        )  # on CUDA: check the fused GDN kernel on these
         # multi-row passes: each layer's sibling input projections as one product
         self.fused_groups = fused.fuse_target(self.layers)
         cuda.prepare_linear(model)  # on CUDA: few-row 4-bit matmuls through a checked kernel
@@ -175,7 +145,7 @@ class Target:
                 if self.dequantize_q8 and isinstance(c, QuantizedKVCache):
                     c = DequantizedView(c)
                 x = layer.input_layernorm(h)
-                if taped and attention.grouped_rows(S):  # a verify on the CPU: attention.py
+                if taped and sdpa.grouped_rows(S):  # a verify on the CPU: kernels/sdpa.py
                     r = attention.attention_over(layer.self_attn, x, [attn_mask], [c])
                 else:
                     r = layer.self_attn(x, attn_mask, c)
@@ -191,7 +161,7 @@ class Target:
         """After layer `layer_id` of a multi-row pass (a verify, a prefill chunk): on a GPU,
         every `async_layers` layers, start the device on what is built so far (ASYNC_LAYERS).
         A decode step does not: plain decoding already builds step n+1 while the device runs
-        step n, and on the H200 the hand-on left a synced step unchanged (25.3 against 25.6 ms)."""
+        step n, and a hand-on there did not change a synced step's time."""
         n = self.async_layers
         if n and h.shape[1] > 1 and layer_id % n == n - 1 and layer_id + 1 < self.num_layers:
             mx.async_eval(h)
@@ -402,7 +372,7 @@ def load_target(path_or_id: str | Path, keep_dtype: bool = False) -> Target:
         ) from None
     except ValueError as exc:
         raise CheckpointError(f"{path}: weights do not match the config: {exc}") from None
-    if mx.default_device() == mx.cpu and not keep_dtype:
+    if platform.current().is_cpu and not keep_dtype:
         # MLX's CPU matmuls: float32 is 3-4x faster than half/quantized
         unpack = bool(config.get("dequantize_on_cpu"))  # quantized only to stay small (pack.py)
         if unpack:

@@ -3,10 +3,8 @@
 Why: a Gated DeltaNet layer projects its input four times (qkv, z, and the two 48-feature gate
 projections b and a) and an MLP twice (gate, up). At one row each is a short memory-bound
 kernel; at a verify block's 8 rows MLX CUDA runs its 4-bit matrix kernel per projection, and the
-narrow gate projections go to its naive kernel (~94 us a call at the seed's shapes on the H200:
-96 calls, 9.1 ms of a 42 ms verify in a CUPTI trace). One product over the concatenated weight
-reads the same bytes in one launch. Measured there: a verify's host graph build 16.9 -> 11.5 ms,
-its device time unchanged (43.6 against 42.8 ms); one call fewer per group on every device.
+narrow gate projections go to its naive kernel. One product over the concatenated weight reads
+the same bytes in one launch: one call fewer per group on every device (docs/performance.md).
 
 At load the sibling weights are concatenated along their output axis and each original layer is
 given a view (a row slice, no copy) of the fused weight, so memory does not grow and one-row
@@ -18,7 +16,6 @@ does between a verify's rows and a decode step's.
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -26,6 +23,8 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.qwen3_next import Qwen3NextMLP
+
+from ... import settings
 
 MIN_ROWS = 2
 ENABLED = True  # False: every layer on its own (`disabled`)
@@ -191,7 +190,7 @@ def gated_mlp(mlp: nn.Module, x: mx.array) -> mx.array:
 def fuse_target(layers: list[nn.Module]) -> int:
     """Fuse what `gdn._project` and `gated_mlp` can use in each target layer; returns how many
     groups. SANCTUM_FUSED_PROJECTIONS=off leaves every layer as loaded (a before/after)."""
-    if os.environ.get("SANCTUM_FUSED_PROJECTIONS", "on") == "off":
+    if settings.device().fused_projections == "off":
         return 0
     count = 0
     for layer in layers:
@@ -205,7 +204,7 @@ def fuse_target(layers: list[nn.Module]) -> int:
 
 def fuse_drafter(body: nn.Module) -> int:
     """Fuse each draft layer's q/k/v and gated MLP (engine/drafter.py calls `project`)."""
-    if os.environ.get("SANCTUM_FUSED_PROJECTIONS", "on") == "off":
+    if settings.device().fused_projections == "off":
         return 0
     return sum(fuse(layer.self_attn, QKV) + fuse(layer.mlp, GATED_MLP) for layer in body.layers)
 

@@ -11,8 +11,7 @@ intermediates; on Metal a re-run of the recurrence over the kept rows (HYBRID_CA
 The recurrence itself: one row (a decode step) goes through mlx-lm's own step, exactly as mlx-lm
 decodes; several rows (a verify block, a prefill chunk) off Apple GPUs go through the chunked
 form below — a few [C, C] and [C, D] matmuls per chunk instead of one tiny kernel chain per row
-(measured on this CPU: 8 rows 0.36 ms vs 1.45 ms, 512 rows 75 ms vs 247 ms, per layer; same
-values to ~1e-7). On Apple GPUs mlx-lm's Metal kernel runs every shape. On CUDA a block of
+(the same values to ~1e-7; timings: docs/performance.md). On Apple GPUs mlx-lm's Metal kernel runs every shape. On CUDA a block of
 2..BLOCK_KERNEL_MAX_ROWS rows goes through `BLOCK_KERNEL` (gdn_cuda.py) once engine/cuda.py has
 checked it on this GPU; its taped variant writes the state after every row, so a rollback
 takes one of them as a view (no kernel, no re-run of the recurrence).
@@ -32,7 +31,7 @@ from mlx_lm.models.gated_delta import (
 )
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
-from . import fused
+from ..kernels import fused, platform
 
 # Row counts up to this run through mx.compile (one graph per shape: decode steps and verify
 # blocks); longer prefill chunks run op by op rather than compile a graph per prompt length.
@@ -183,13 +182,15 @@ def _use_kernel(k: mx.array) -> bool:
 
 
 def _kernel_for(head_k_dim: int) -> bool:
-    # Same dispatch rule as mlx_lm.models.gated_delta.gated_delta_update.
-    return (
-        mx.default_device() == mx.gpu
-        and mx.metal.is_available()
-        and head_k_dim >= 32
-        and head_k_dim % 32 == 0
-    )
+    # The Metal path's dispatch rule, mlx_lm.models.gated_delta.gated_delta_update's.
+    return platform.current().is_metal and head_k_dim >= 32 and head_k_dim % 32 == 0
+
+
+def use_block_kernel(kernel, keeps_rows: bool, in_compile: bool) -> None:
+    """The block kernel multi-row passes take from now on (kernels/cuda.py's `prepare`, once
+    its check agreed; None: the MLX path)."""
+    global BLOCK_KERNEL, BLOCK_KERNEL_KEEPS_ROWS, BLOCK_KERNEL_IN_COMPILE
+    BLOCK_KERNEL, BLOCK_KERNEL_KEEPS_ROWS, BLOCK_KERNEL_IN_COMPILE = kernel, keeps_rows, in_compile
 
 
 def _block_kernel(rows: int):
@@ -238,8 +239,9 @@ def batch_tape_entry(
 
 def recurrence(q, k, v, log_g, beta, state):
     """The gated delta rule over all rows: (y [B, S, Hv, Dv], final state [B, Hv, Dv, Dk])."""
-    if _use_kernel(k):
-        return gated_delta_kernel(q, k, v, mx.exp(log_g), beta, state, None)
+    if _use_kernel(k):  # the Metal path; its ops form where Metal kernels cannot run
+        metal = gated_delta_kernel if platform.current().metal_kernels else gated_delta_ops
+        return metal(q, k, v, mx.exp(log_g), beta, state, None)
     if q.shape[1] == 1:  # a decode step: mlx-lm's own step, so plain decoding matches mlx-lm
         Hk, Hv = q.shape[-2], v.shape[-2]
         if (repeat := Hv // Hk) > 1:
@@ -255,7 +257,7 @@ def recurrence(q, k, v, log_g, beta, state):
 
 def _lapack() -> bool:
     """Inference on the CPU: the chunked form's triangular inverse by LAPACK."""
-    return mx.default_device() == mx.cpu
+    return platform.current().is_cpu
 
 
 def _diagonal_blocks(x: mx.array, size: int) -> mx.array:

@@ -14,10 +14,8 @@ vectorizes at all, `-finline-limit=100000` (MLX's exp is a function GCC would no
 `-fno-math-errno` (floor and fma as instructions, not calls that may set errno) and
 `-fno-trapping-math` (its selects as blends: GCC reported "control flow in loop" without it).
 None of them changes a result: the kernels compute the same bits as MLX's precompiled ops
-(tests/test_cpu.py compares them). With only the first two, GCC left every loop scalar; with
-all five, a SiLU-and-product kernel over 32 x 1,024 floats took 0.065 against 0.20 ms, and the
-shared verify of four default-pair blocks 23 against 29 ms (synced layer by layer, this 2-core
-machine).
+(tests/test_cpu.py compares them). With only the first two, GCC left every loop scalar
+(timings: docs/performance.md).
 
 MLX keeps each compiled library under `<temp dir>/mlx/<version>/cpu/` by kernel name and reuses
 it, so kernels compiled before the wrapper, or with other flags, would stay as they were: the
@@ -42,6 +40,9 @@ from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
+
+from ... import settings
+from . import platform
 
 FLAGS = (
     "-march=native",
@@ -141,10 +142,12 @@ def prepare() -> bool:
     global _on
     if _on is not None:
         return _on
-    path = _without_wrappers(os.environ.get("PATH", ""))  # a parent's wrapper: found again
+    device = settings.device()
+    # MLX runs the g++ it finds on PATH: the wrapper goes there (a parent's is taken off first)
+    path = _without_wrappers(device.search_path)
     os.environ["PATH"] = path
     _on = False
-    if os.environ.get("SANCTUM_CPU_JIT", "native") == "off" or mx.default_device() != mx.cpu:
+    if device.cpu_jit == "off" or not platform.current().is_cpu:
         return _on
     compiler = shutil.which("g++", path=path)
     if compiler is None:
@@ -175,7 +178,7 @@ def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis (float32 in, float32 out), as MLX's precise softmax computes
     it. On the CPU the exp runs in a compiled kernel: ~4x faster than `mx.softmax` over a
     block's 8 rows of 8,192 logits; elsewhere MLX's own op."""
-    if mx.default_device() != mx.cpu:
+    if not platform.current().is_cpu:
         return mx.softmax(x, axis=-1)
     e = shifted_exp(x, x.max(-1, keepdims=True))
     return _normalized(e, e.sum(-1, keepdims=True))
@@ -190,7 +193,7 @@ def logsumexp(x: mx.array) -> mx.array:
     same sum here: the exp as a compiled kernel (the same bits, vectorized: `shifted_exp`),
     added in order as the last prefix sum of MLX's scan (tests/test_sampling.py compares both
     to the bit). On a GPU MLX's kernel sums in another order, so it runs there."""
-    if mx.default_device() != mx.cpu:
+    if not platform.current().is_cpu:
         return mx.logsumexp(x, axis=-1, keepdims=True)
     wide = x.astype(mx.float32)
     peak = wide.max(axis=-1, keepdims=True)

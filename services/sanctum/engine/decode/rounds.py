@@ -12,11 +12,12 @@ import time
 
 import mlx.core as mx
 
-from . import cuda
+from ..kernels import cuda
+from ..model.target import cache_offset
 from .batch import verify_batch
+from .decoder import Decoder
 from .peer import DraftUnavailable
-from .speculative import Decoder, Prefetch, RoundStats, Sequence, Step
-from .target import cache_offset
+from .sequence import Prefetch, RoundStats, Sequence, Step
 
 
 class BatchDecoder(Decoder):
@@ -57,7 +58,7 @@ class BatchDecoder(Decoder):
         for idx in groups.values():
             drafted += self._draft_group([seqs[i] for i in idx], [keys[i] for i in idx], idx, steps)
         drafted = self._cap_looked_up(drafted)
-        if self.profile:
+        if self.policy.profile:
             mx.eval([drafts for _, _, drafts, *_ in drafted])
         elif self.target.async_layers and drafted:  # a GPU drafts while Python builds the verify
             mx.async_eval([drafts for _, _, drafts, *_ in drafted])
@@ -75,7 +76,7 @@ class BatchDecoder(Decoder):
         """Looked-up blocks no wider than the widest drafted block of the round, when one is
         drafted: the verify pads every block to the widest, and on a CPU a shared verify is
         bound by its rows, so a wide looked-up block would cost each other sequence its padding
-        (`bench batch --steady`, four streams: 527 tok/s uncapped, 915 capped). All looked up:
+        (docs/performance.md). All looked up:
         each its own width. A shorter block of the same continuation: the output is the same."""
         drafter_width = max((d.shape[0] for _, s, d, *_ in drafted if not s.looked_up), default=0)
         if not drafter_width:
@@ -130,7 +131,7 @@ class BatchDecoder(Decoder):
         padded = mx.stack([mx.pad(b, (0, L - b.shape[0])) for b in blocks])  # [N, L]
         caches = [seq.cache for _, seq, *_ in drafted + gated]
         outs, tape = verify_batch(self.target, padded, caches, self.tap_ids, widths)
-        if self.profile:
+        if self.policy.profile:
             mx.eval([logits for logits, _, _ in outs])
         # the shared phases' wall time, split over the batch
         draft_s, verify_s = draft_s / len(drafted), (time.perf_counter() - t1) / len(blocks)
