@@ -32,11 +32,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "services"))
 from sanctum.bench import seed as seed_bench
 from sanctum.bench.seedbuild import SMALL, SeedShape, ensure
-from sanctum.engine import cuda
-from sanctum.engine.drafter import load_drafter
-from sanctum.engine.sampling import SamplingParams
-from sanctum.engine.speculative import Decoder, make_key
-from sanctum.engine.target import cache_offset, load_target
+from sanctum.engine.decode.decoder import Decoder
+from sanctum.engine.decode.generate import make_key
+from sanctum.engine.decode.sampling import SamplingParams
+from sanctum.engine.kernels import cuda
+from sanctum.engine.model.drafter import load_drafter
+from sanctum.engine.model.target import cache_offset, load_target
 from sanctum.settings import sanctum_home
 
 

@@ -251,7 +251,7 @@ def tau(args) -> list[dict]:
             n, secs, stats = spec[b]
             row[f"tau_b{b}"] = _tau(stats)
             # of the speculative rounds, those whose drafts were read from the text itself
-            # (engine/lookup.py; their blocks may be wider than b)
+            # (engine/decode/lookup.py; their blocks may be wider than b)
             drafted = [r for r in stats if r.bs > 1]
             share = sum(r.looked_up for r in drafted) / max(1, len(drafted))
             row[f"lookup_share_b{b}"] = round(share, 3)

@@ -17,7 +17,7 @@ request and returns, `collect` waits for its reply, so the verifier asks for a s
 block before its rollback and its stream and finds the answer (mostly) ready. When the drafter
 dies it raises `DraftUnavailable` (the decoder then steps plainly) and reconnects in the
 background once the actor has restarted; a sequence opened again starts a fresh session, and
-the decoder sends it the context its sequence keeps (engine/taps.py), so speculation resumes.
+the decoder sends it the context its sequence keeps (engine/decode/taps.py), so speculation resumes.
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def validate(req: GenerateRequest, limits: Limits) -> None:
 
 
 def kv_modes() -> tuple[str, ...]:
-    """The engine's KV formats (engine/target.py; imported here only when validating, so that
+    """The engine's KV formats (engine/model/target.py; imported here only when validating, so that
     a client importing the request types does not load mlx-lm)."""
     from ..engine.model.target import KV_MODES
 

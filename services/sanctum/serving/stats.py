@@ -30,7 +30,7 @@ class Counters:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     gated_steps: int = 0  # plain steps the speculation gate took instead of rounds
-    lookup_rounds: int = 0  # rounds whose drafts were read from the sequence (engine/lookup.py)
+    lookup_rounds: int = 0  # rounds whose drafts came from the sequence (engine/decode/lookup.py)
     round_s: dict = field(
         default_factory=lambda: dict.fromkeys(ROUND_PHASES, 0.0)
     )  # seconds spent in each phase of a round, summed over rounds
@@ -137,7 +137,7 @@ class Stats:
     min_tau: float = 0.0
     min_tau_sampled: float = 0.0
     gated_steps: int = 0
-    # rounds whose drafts repeated an earlier stretch of their sequence (engine/lookup.py)
+    # rounds whose drafts repeated an earlier stretch of their sequence (engine/decode/lookup.py)
     lookup_rounds: int = 0
     cache: CacheStats = field(default_factory=CacheStats)
 

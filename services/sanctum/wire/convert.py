@@ -20,7 +20,7 @@ from ..serving.stats import EntryInfo, Stats
 from .gen import inference_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 64
-# the KvMode enum <-> the engine's KV formats (engine/target.py KV_MODES)
+# the KvMode enum <-> the engine's KV formats (engine/model/target.py KV_MODES)
 _KV = {pb.KV_MODE_UNSPECIFIED: None, pb.KV_MODE_FP16: "fp16", pb.KV_MODE_Q8: "q8"}
 KV_TO_WIRE = {v: k for k, v in _KV.items()}
 # request dataclass field -> public proto field

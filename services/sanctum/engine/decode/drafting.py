@@ -117,7 +117,7 @@ class Drafting:
 
     def _lookup(self, seq: Sequence):
         """The next block's drafts read from the sequence itself (int32, numpy), or None:
-        greedy sequences whose last `lookup_min` tokens repeat (engine/lookup.py). As many as
+        greedy sequences whose last `lookup_min` tokens repeat (engine/decode/lookup.py). As many as
         the drafter's, or more after looked-up blocks accepted whole (`lookup_width`) while the
         earlier text goes on that far."""
         if not self.policy.lookup_min or not seq.sampling.greedy or seq.anchor is None:

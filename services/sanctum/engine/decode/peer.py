@@ -11,7 +11,7 @@ import mlx.core as mx
 from ..model.drafter import Drafter
 from .batch import draft_batch
 
-# The most context rows a sequence keeps for its drafter (engine/taps.py), and so the most it
+# The most context rows a sequence keeps for its drafter (engine/decode/taps.py), and so the most it
 # sends at once: after a long prompt, or to a drafter that lost its context (a restart).
 MAX_PENDING_TAP_ROWS = 4096
 

@@ -1,5 +1,5 @@
 """Batched rounds: one round of each of N sequences, their blocks drafted in one drafter body
-forward and verified in one target forward (engine/batch.py). Each sequence keeps its own
+forward and verified in one target forward (engine/decode/batch.py). Each sequence keeps its own
 caches, key, block and acceptance, so what it commits is what `Decoder.step` commits for it
 alone; a sequence that cannot draft takes a plain step without holding back the others.
 

@@ -28,7 +28,7 @@ class RoundStats:
     rollback_s: float = 0.0
     other_s: float = 0.0
     gated: bool = False  # a plain step the speculation gate took instead of a round
-    looked_up: bool = False  # the block's drafts were read from the sequence (engine/lookup.py)
+    looked_up: bool = False  # the block's drafts were read from the sequence (decode/lookup.py)
 
     def line(self, completion_tokens: int) -> str:
         return (

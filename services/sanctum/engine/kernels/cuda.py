@@ -21,7 +21,7 @@ load, and said loudly (log lines, and `report()` for the benchmarks).
   a shared verify's 17..64 rows too, 16 a call (MLX's matrix kernel was slower still there),
   checked the same way, correct and faster than MLX's, before it is used (`prepare_linear`);
   SANCTUM_QMM_KERNEL=off keeps MLX's for all. (The narrow GDN gate projections, which MLX
-  sends to a naive kernel at several rows, are fused with their siblings: engine/fused.py.)
+  sends to a naive kernel at several rows, are fused with their siblings: engine/kernels/fused.py.)
 - A draft layer's block attention and DFlash 2 convolutions: draft_cuda.py's kernels, checked
   the same way on the body's own shapes (`prepare_drafter`); SANCTUM_DRAFT_KERNELS=off keeps
   MLX's ops.

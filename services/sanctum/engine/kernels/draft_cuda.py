@@ -18,9 +18,9 @@ head's group, so each context key is read once per row for the whole group; its 
 keys at a time (a lane a key for the scores, then a lane a slice of the head for the values) and
 merge their online softmaxes at the end, all in float32.
 
-Contract: equal to `reference_attention` / `reference_conv` (the MLX path of engine/drafter.py)
+Contract: equal to `reference_attention` / `reference_conv` (the MLX path of engine/model/drafter/)
 within bfloat16 rounding. Used only on CUDA and only after `check` agreed on this GPU at load
-(engine/cuda.py, `prepare_drafter`); everywhere else the MLX path runs.
+(engine/kernels/cuda.py, `prepare_drafter`); everywhere else the MLX path runs.
 """
 
 from __future__ import annotations
@@ -441,6 +441,6 @@ def verdict(specs: list[dict], convs: list[list[int]], rows: list[int]) -> dict:
     return result
 
 
-if __name__ == "__main__":  # engine/cuda.py runs the checks here, in a child process
+if __name__ == "__main__":  # engine/kernels/cuda.py runs the checks here, in a child process
     args = json.loads(sys.argv[1])
     print(json.dumps({"verdict": verdict(args["specs"], args["convs"], args["rows"])}))

@@ -94,7 +94,7 @@ def reference_attention(qkv, q_norm, k_norm, ctx_keys, ctx_values, start, bounds
 
 
 def reference_conv(x, dyn, base, which: int, group: int, residual=None):
-    """What `dynamic_conv` computes, by DynamicConv.apply's ops (engine/drafter.py)."""
+    """What `dynamic_conv` computes, by DynamicConv.apply's ops (engine/model/drafter/)."""
     B, L, H = x.shape
     K = base.shape[1]
     out = grouped_dynamic_conv(x, dyn.reshape(B, L, 2, K, H // group, 1), base, which, K, group)

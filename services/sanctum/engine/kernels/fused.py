@@ -203,7 +203,7 @@ def fuse_target(layers: list[nn.Module]) -> int:
 
 
 def fuse_drafter(body: nn.Module) -> int:
-    """Fuse each draft layer's q/k/v and gated MLP (engine/drafter.py calls `project`)."""
+    """Fuse each draft layer's q/k/v and gated MLP (engine/model/drafter/ calls `project`)."""
     if settings.device().fused_projections == "off":
         return 0
     return sum(fuse(layer.self_attn, QKV) + fuse(layer.mlp, GATED_MLP) for layer in body.layers)

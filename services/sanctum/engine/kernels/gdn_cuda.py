@@ -6,7 +6,7 @@ Contract: `gated_delta_cuda(q, k, v, g, beta, state)` computes what mlx-lm's `ga
 computes (y [B, T, Hv, Dv] in q's dtype, final state [B, Hv, Dv, Dk] in float32), with the
 state in float32 registers: one warp per (batch, value head, value row), each lane holding
 Dk / 32 state elements, rows in time order. Used only on CUDA and only after `check` compared it
-with the MLX path on this GPU at load (engine/cuda.py); everywhere else the pure MLX path runs.
+with the MLX path on this GPU at load (engine/kernels/cuda.py); everywhere else the pure MLX path runs.
 """
 
 from __future__ import annotations
@@ -225,6 +225,6 @@ def verdict(Hk: int, Hv: int, Dk: int, Dv: int, dtype: mx.Dtype) -> str | None:
     return result
 
 
-if __name__ == "__main__":  # engine/cuda.py runs the check here, in a child process
+if __name__ == "__main__":  # engine/kernels/cuda.py runs the check here, in a child process
     shape, dtype_name = json.loads(sys.argv[1]), sys.argv[2]
     print(json.dumps({"verdict": verdict(*shape, getattr(mx, dtype_name))}))

@@ -1,5 +1,5 @@
 """A CUDA kernel for 4-bit matmuls over a few rows (a verify block's projections, the fused
-sibling products of engine/fused.py among them; a draft head; a shared verify's blocks, 16
+sibling products of engine/kernels/fused.py among them; a draft head; a shared verify's blocks, 16
 rows a call: `rows_qmm`), through `mx.fast.cuda_kernel`.
 
 Why: MLX CUDA's quantized matmul at 8 rows costs several times its one-row kernel when the
@@ -19,7 +19,7 @@ mlx-lm's.
 Contract: `small_qmm(x [M, K], w, scales, biases)` == `mx.quantized_matmul(x, w, scales,
 biases, transpose=True, group_size=64, bits=4)` within bfloat16 rounding, for 2 <= M <= 16,
 K % 128 == 0, N % 16 == 0. Used only after `check` agreed on this GPU at load and it was faster
-than MLX's there (engine/cuda.py).
+than MLX's there (engine/kernels/cuda.py).
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ class FewRowsQuantizedLinear(nn.QuantizedLinear):
 
 def install(model: nn.Module) -> int:
     """Route the few-row calls of every supported 4-bit linear layer of `model` through the
-    kernel, and those of the fused sibling products over them (engine/fused.py: a verify's
+    kernel, and those of the fused sibling products over them (engine/kernels/fused.py: a verify's
     MLP gate+up and GDN input projections); returns how many layers."""
     count = 0
     for _, module in model.named_modules():
@@ -392,6 +392,6 @@ def verdict() -> str | None:
     return None
 
 
-if __name__ == "__main__":  # engine/cuda.py runs the checks here, in a child process
+if __name__ == "__main__":  # engine/kernels/cuda.py runs the checks here, in a child process
     print(json.dumps({"verdict": verdict()}))
     sys.exit(0)

@@ -19,7 +19,7 @@ from ..kernels.sdpa import scaled_dot_product_attention
 
 def attention_over(attn, x: mx.array, masks: list, caches: list) -> mx.array:
     """An mlx-lm attention module over N sequences ([N, L, H]), each on its own KV cache: the
-    projections (q/k/v as one product when fused: engine/fused.py; the target's are not fused
+    projections (q/k/v as one product when fused: engine/kernels/fused.py; the target's are not fused
     at load, since a decode step runs mlx-lm's module on its own layers) and the output gate
     once over all N * L rows, the cache part per sequence. A module type not split here runs
     whole, once per sequence."""

@@ -12,7 +12,7 @@ The recurrence itself: one row (a decode step) goes through mlx-lm's own step, e
 decodes; several rows (a verify block, a prefill chunk) off Apple GPUs go through the chunked
 form below — a few [C, C] and [C, D] matmuls per chunk instead of one tiny kernel chain per row
 (the same values to ~1e-7; timings: docs/performance.md). On Apple GPUs mlx-lm's Metal kernel runs every shape. On CUDA a block of
-2..BLOCK_KERNEL_MAX_ROWS rows goes through `BLOCK_KERNEL` (gdn_cuda.py) once engine/cuda.py has
+2..BLOCK_KERNEL_MAX_ROWS rows goes through `BLOCK_KERNEL` (gdn_cuda.py) once engine/kernels/cuda.py has
 checked it on this GPU; its taped variant writes the state after every row, so a rollback
 takes one of them as a view (no kernel, no re-run of the recurrence).
 """
@@ -39,7 +39,7 @@ COMPILE_MAX_ROWS = 32
 CHUNK = 64
 _compiled: dict = {}
 # A fused kernel (q, k, v, decay, beta, state) -> (y, state) for short blocks, or None (set by
-# engine/cuda.py after its start-up check; tests may set a stand-in)
+# engine/kernels/cuda.py after its start-up check; tests may set a stand-in)
 BLOCK_KERNEL = None
 BLOCK_KERNEL_MAX_ROWS = 64
 BLOCK_KERNEL_IN_COMPILE = True  # False: passes that use it run op by op (it failed in compile)
@@ -103,7 +103,7 @@ class GDNTape:
 @dataclass
 class GDNBatchTape:
     """One GDN layer's taped pass over N sequences stacked on the batch axis (a shared verify,
-    engine/batch.py): each sequence's GDNTape, a row of the stacked tensors, beside those
+    engine/decode/batch.py): each sequence's GDNTape, a row of the stacked tensors, beside those
     tensors, so that rolling all N back can cost one op per layer instead of N."""
 
     entries: list[GDNTape]  # per sequence, each of batch 1

@@ -46,7 +46,7 @@ class VerifyTape:
 
 @dataclass
 class BatchTape:
-    """What a shared verify pass (engine/batch.py) leaves behind: each sequence's VerifyTape,
+    """What a shared verify pass (engine/decode/batch.py) leaves behind: each sequence's VerifyTape,
     and per GDN layer the stacked tape theirs are rows of (`Target.rollback_batch`)."""
 
     tapes: list[VerifyTape]

@@ -76,7 +76,7 @@ def load_drafter(
     `target_shape` = (num_layers, hidden, vocab) stands in for `target` where it is not loaded.
     `keep_dtype`: keep the checkpoint's dtype on the CPU too (by default widened to float32).
     """
-    cpu.prepare()  # a drafter process may load no target: engine/cpu.py
+    cpu.prepare()  # a drafter process may load no target: engine/kernels/cpu.py
     path = resolve_checkpoint(path_or_id)
     raw = read_config(path)
     cfg = DrafterConfig.from_dict(raw, where=str(path))
