@@ -154,7 +154,7 @@ def prepare() -> bool:
         return _on
     wrapper, kept = _write_wrapper(compiler)
     cache = jit_cache_dir()
-    # the probe compile (~0.1 s) once: a kept wrapper and the marker say it passed
+    # the probe compile once: a kept wrapper and the marker say it passed
     if (kept and _marked(cache / _MARKER)) or _compiles(wrapper):
         _drop_stale_kernels(cache)
         os.environ["PATH"] = str(wrapper.parent) + os.pathsep + path
@@ -165,7 +165,7 @@ def prepare() -> bool:
 @partial(mx.compile, shapeless=True)  # one trace for every shape
 def shifted_exp(x: mx.array, peak: mx.array) -> mx.array:
     """exp(x - peak) as a compiled kernel: the same bits as MLX's exp op, vectorized on the CPU
-    by the JIT above (MLX's own CPU exp runs one element at a time: ~10-14 ns an element)."""
+    by the JIT above (MLX's own CPU exp runs one element at a time)."""
     return mx.exp(x - peak)
 
 
@@ -176,8 +176,8 @@ def _normalized(e: mx.array, total: mx.array) -> mx.array:
 
 def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis (float32 in, float32 out), as MLX's precise softmax computes
-    it. On the CPU the exp runs in a compiled kernel: ~4x faster than `mx.softmax` over a
-    block's 8 rows of 8,192 logits; elsewhere MLX's own op."""
+    it. On the CPU the exp runs in a compiled, vectorized kernel (faster than `mx.softmax`:
+    docs/performance.md); elsewhere MLX's own op."""
     if not platform.current().is_cpu:
         return mx.softmax(x, axis=-1)
     e = shifted_exp(x, x.max(-1, keepdims=True))
@@ -185,11 +185,10 @@ def softmax(x: mx.array) -> mx.array:
 
 
 def logsumexp(x: mx.array) -> mx.array:
-    """`mx.logsumexp(x, axis=-1, keepdims=True)` to the bit, ~4x faster on the CPU.
+    """`mx.logsumexp(x, axis=-1, keepdims=True)` to the bit, faster on the CPU.
 
     MLX's CPU kernel takes each row's max, then sums exp(x - max) in float32 one element at a
-    time, in order, with its scalar exp (~12 ns an element: 3.4 ms for the 32 rows of 8,192
-    logits of a shared verify of four, against ~0.3 ms for the rest of their greedy picks). The
+    time, in order, with its scalar exp, which dominates a verify's greedy picks. The
     same sum here: the exp as a compiled kernel (the same bits, vectorized: `shifted_exp`),
     added in order as the last prefix sum of MLX's scan (tests/test_sampling.py compares both
     to the bit). On a GPU MLX's kernel sums in another order, so it runs there."""

@@ -2,8 +2,8 @@
 load, and said loudly (log lines, and `report()` for the benchmarks).
 
 - cuDNN SDPA off: MLX sends multi-row bf16/fp16 attention with head_dim <= 128 to cuDNN, which
-  builds an execution plan for every new key length (every verify round, every draft: ~20 ms
-  each on public measurements) and aborts the process once its plan cache has missed 512 times.
+  builds an execution plan for every new key length (every verify round, every draft) and
+  aborts the process once its plan cache has missed 512 times.
   Importing this module sets MLX_CUDA_USE_CUDNN_SDPA=0 (and the older SPDA spelling) unless the
   environment already sets it; MLX's own kernels (one-row vector kernel, composed ops) run those
   calls instead. It must happen before the first attention call (the flag is read once).
@@ -17,9 +17,9 @@ load, and said loudly (log lines, and `report()` for the benchmarks).
   this process's GPU stream unusable) and is remembered per MLX version and kernel source in
   $SANCTUM_HOME/cuda-checks.json.
 - 4-bit matmuls of 2..16 rows (a verify block, the draft head): qmm_cuda.py's kernel, which
-  reads the weights once for all rows (MLX CUDA's costs ~2.6x its one-row kernel at 8 rows);
-  a shared verify's 17..64 rows too, 16 a call (MLX's matrix kernel was slower still there),
-  checked the same way, correct and faster than MLX's, before it is used (`prepare_linear`);
+  reads the weights once for all rows (MLX CUDA's runs a one-row kernel per row there);
+  a shared verify's 17..64 rows too, 16 a call, checked the same way, correct and faster than
+  MLX's, before it is used (`prepare_linear`; figures: docs/performance.md);
   SANCTUM_QMM_KERNEL=off keeps MLX's for all. (The narrow GDN gate projections, which MLX
   sends to a naive kernel at several rows, are fused with their siblings: engine/kernels/fused.py.)
 - A draft layer's block attention and DFlash 2 convolutions: draft_cuda.py's kernels, checked
@@ -229,9 +229,9 @@ def prepare_drafter(body, block_rows: tuple[int, ...] = (8, 16)) -> None:
 def verify_width(width: int, blocks: int = 1) -> int:
     """Rows a verify block of `width` is padded to (at its end: the target is causal) when
     `blocks` blocks go through one forward: on CUDA enough for MATRIX_ROWS rows in all. Below
-    that MLX's 4-bit matmul runs one one-row kernel per row (2 rows ~2.4x the cost of 8,
-    ../shared/device/README.md), and a solo verify of a narrow block would round differently
-    from the same block in a batch, which reaches the matrix kernel."""
+    that MLX's 4-bit matmul runs one one-row kernel per row (docs/performance.md), and a solo
+    verify of a narrow block would round differently from the same block in a batch, which
+    reaches the matrix kernel."""
     if not is_cuda():
         return width
     return max(width, -(-MATRIX_ROWS // blocks))
@@ -252,9 +252,8 @@ def attention_mask(h: mx.array, cache) -> mx.array | str | None:
 
 def pad_rows(x: mx.array, multiple: int = 8) -> mx.array:
     """[R, H] -> [R', H], R' the next multiple of `multiple`, zero rows added, on CUDA only:
-    MLX CUDA's 4-bit matmul runs one one-row kernel per row below 8 rows (a 7-row draft head
-    costs ~7 one-row products), and a matrix kernel from 8 rows on (measured,
-    ../shared/device/README.md). The caller slices the result back to R rows."""
+    MLX CUDA's 4-bit matmul runs one one-row kernel per row below 8 rows and a matrix kernel
+    from 8 rows on (docs/performance.md). The caller slices the result back to R rows."""
     pad = (-x.shape[0]) % multiple
     if pad == 0 or not is_cuda():
         return x

@@ -7,7 +7,7 @@ by its kernel launches, and these take a layer's many small kernels down to two.
   compiled graph serves every round), applies the reference's rules (DFLASH.md: the window
   counted per block row, causal or not), and writes the output in o_proj's layout. It stands for
   the q/k/v split copies, two RMSNorms, two RoPEs, the K/V concatenations, the block mask and
-  MLX's masked attention fallback: ~14 kernels a layer become one.
+  MLX's masked attention fallback: one kernel a layer instead of many.
 - `dynamic_conv`: DFlash 2's grouped dynamic convolution over the block rows (kernel size K), with
   the residual add after it: the shift-matrix product and the fused elementwise kernel become
   one, with the same roundings (each product and sum rounded to bfloat16 as MLX's ops round).

@@ -78,8 +78,8 @@ _SOURCE = """
     }
 """
 # The taped variant also writes the state after every row ([B, T, Hv, Dv, Dk]): a rollback to
-# `keep` rows is then a copy of row keep-1, not a re-run of the recurrence (25 MB a layer at the
-# seed's shapes and 8 rows, written once, against a launch per layer at every rollback).
+# `keep` rows is then a copy of row keep-1, not a re-run of the recurrence (memory written once,
+# against a launch per layer at every rollback).
 _SAVE_ROW = """{
         float* r_ = row_states + ((((size_t)b * n_steps + t) * Hv + hv) * Dv + dv) * Dk + NPT * lane;
         for (int i = 0; i < NPT; ++i) {

@@ -146,8 +146,7 @@ class GDNBatchTape:
 
 # Decay factors below e^-30 (~1e-13) are taken as 0. A head that forgets within a block made
 # the chunked form's products of two such factors (e^(d_i - d_j) e^d_j) underflow to subnormal
-# floats, which x86 CPUs compute ~100x slower (32 [64, 64] products, a verify's states of 4
-# sequences x 8 heads, took 18.8 against 0.12 ms with subnormal inputs in a timing here). Next
+# floats, which x86 CPUs compute far slower (docs/performance.md). Next
 # to the block's own rows, weighted e^0, a term of 1e-13 is below float32 resolution; e^-30
 # squared stays a normal float.
 DECAY_FLOOR = -30.0
@@ -304,8 +303,7 @@ def chunked_gated_delta(
     Returns (y [B, T, Hv, Dv], state [B, Hv, Dv, Dk]); with `parts` (one chunk only) also
     (k, cumulative log-decay, v_new) for `state_after`. `lapack`: the chunk's triangular
     inverse by LAPACK (`mx.linalg.tri_inv`: the CPU only, no gradient; one op where the block
-    inversion takes ~25; a timing script, 500 calls: 39 against 150 us for a verify block's 8
-    heads on this CPU)."""
+    inversion takes many)."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     out_dtype = v.dtype  # the activations' (bf16 model: bf16); the math below runs in float32
@@ -414,9 +412,8 @@ def _gdn_math(mod: nn.Module, x: mx.array, conv_state: mx.array, state_in: mx.ar
 def block_conv(mod: nn.Module, conv_input: mx.array) -> mx.array:
     """mlx-lm's causal depthwise conv (`mod.conv1d`) as K multiply-adds of shifted
     rows, summed in float32 and rounded once, as a conv kernel sums: in a compiled pass one
-    fused kernel with the SiLU after it. MLX's grouped conv1d is slower on the CPU (about
-    twice as slow at 8 and at 512 rows in a timing on this machine) and on CUDA runs cuDNN's
-    kernel with copies around it. Its values differ from the conv's in the last bits (summation
+    fused kernel with the SiLU after it. MLX's grouped conv1d is slower on the CPU and on
+    CUDA runs cuDNN's kernel with copies around it. Its values differ from the conv's in the last bits (summation
     order), like the chunked recurrence's; a decode step keeps mlx-lm's conv, so that plain
     decoding stays mlx-lm's."""
     w = mod.conv1d.weight  # [C, K, 1]

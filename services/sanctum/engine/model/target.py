@@ -352,7 +352,7 @@ def cache_offset(cache: list) -> int:
 def load_target(path_or_id: str | Path, keep_dtype: bool = False) -> Target:
     """Load any supported mlx-lm target (quantized or not) with its tokenizer, offline.
 
-    On the CPU the weights are widened to float32 (MLX's CPU matmuls are 3-4x faster there)
+    On the CPU the weights are widened to float32 (MLX's CPU matmuls are faster there)
     unless `keep_dtype`: then the model computes in the checkpoint's own dtype, as on a GPU."""
     path = resolve_checkpoint(path_or_id)
     config = read_config(path)
@@ -373,7 +373,7 @@ def load_target(path_or_id: str | Path, keep_dtype: bool = False) -> Target:
     except ValueError as exc:
         raise CheckpointError(f"{path}: weights do not match the config: {exc}") from None
     if platform.current().is_cpu and not keep_dtype:
-        # MLX's CPU matmuls: float32 is 3-4x faster than half/quantized
+        # MLX's CPU matmuls: float32 is faster than half/quantized
         unpack = bool(config.get("dequantize_on_cpu"))  # quantized only to stay small (pack.py)
         if unpack:
             dequantize_model(model)

@@ -38,9 +38,8 @@ def top_candidates(logits: mx.array, k: int, two_stage: bool | None = None) -> m
     `two_stage` (default: on a GPU, over a vocabulary above TWO_STAGE_VOCAB): each chunk of
     `chunk_length` logits its own top k, then the top k of those. It is exact (a row's top k
     are each in their chunk's top k); on a GPU, where a partition of a 248K-long row sorts it,
-    sorting short rows is far cheaper. By default on the CPU, where MLX's partition costs ~10
-    ns an element (0.5 ms for a block's 7 rows of 8,192), the rows are pruned first
-    (`_top_by_chunk_max`)."""
+    sorting short rows is far cheaper. By default on the CPU, where MLX's partition is costly
+    per element, the rows are pruned first (`_top_by_chunk_max`)."""
     V = logits.shape[-1]
     if two_stage is None:
         on_cpu = platform.current().is_cpu
@@ -65,9 +64,7 @@ def top_candidates(logits: mx.array, k: int, two_stage: bool | None = None) -> m
 def _pruning_chunk(vocab: int, k: int) -> int | None:
     """`_top_by_chunk_max`'s chunk for a top k over `vocab`, or None where pruning would not
     pay (too few chunks) or the chunks would not divide the row. 32 for a greedy top 16, 16
-    for sampling's 128: on this project's CPU 0.10 against 0.49 ms for 7 rows of 8,192 and a
-    top 16, 0.29 against 2.2 ms for 28 rows; 0.19 against 0.40 ms for 7 rows and a top 128
-    (a timing script)."""
+    for sampling's 128 (the faster choice on the CPU: docs/performance.md)."""
     size = 32 if k <= 32 else 16
     return size if vocab % size == 0 and vocab // size >= 4 * k else None
 
@@ -167,8 +164,8 @@ class DraftHead(nn.Module):
             temp = mx.array(temperature, mx.float32)
             if not body.COMPILE_DRAFTS:
                 return self._select_sampled(hidden, logits, anchors, temp, keys)
-            # one compiled graph per block height: op by op, a block of 8 was ~300 graph nodes
-            # built in Python every round (~180 of them computing ops; `mx.export_to_dot`)
+            # one compiled graph per block height: op by op, Python would build a graph of
+            # hundreds of nodes every round
             fn = self.__dict__.get("_compiled_sampled")
             if fn is None:  # the selector's weights are captured at the first trace
                 fn = self.__dict__["_compiled_sampled"] = mx.compile(self._select_sampled)

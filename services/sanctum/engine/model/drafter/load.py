@@ -108,7 +108,7 @@ def load_drafter(
         if stored:
             dequantize_model(body)
         if platform.current().is_cpu and not keep_dtype:
-            body.set_dtype(mx.float32)  # half precision is 3-4x slower than fp32 on MLX's CPU
+            body.set_dtype(mx.float32)  # half precision is slower than fp32 on MLX's CPU
         if bits and bits not in (16, 0):
             if bits not in (2, 3, 4, 5, 6, 8):
                 raise ValueError(f"drafter bits must be 0/16 (none) or one of 2-8, got {bits}")
