@@ -4,7 +4,7 @@ by its kernel launches, and these take a layer's many small kernels down to two.
 - `block_attention`: a draft block's whole attention after the fused q/k/v product. From that
   product it norms and rotates the block's queries and keys, reads the layer's context keys and
   values straight from the ContextCache buffer (rows begin..end, given as an array, so one
-  compiled graph serves every round), applies the reference's rules (DFLASH.md: the window
+  compiled graph serves every round), applies the reference's rules (docs/design/drafter.md: the window
   counted per block row, causal or not), and writes the output in o_proj's layout. It stands for
   the q/k/v split copies, two RMSNorms, two RoPEs, the K/V concatenations, the block mask and
   MLX's masked attention fallback: one kernel a layer instead of many.

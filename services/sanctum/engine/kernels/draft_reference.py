@@ -20,7 +20,7 @@ def block_attention_mask(
     """[L, C + L] boolean mask of a block over its C context keys (the C rows right before the
     anchor, in time order) and its own L rows, or None when every key is visible.
 
-    The reference rules (DFLASH.md): block rows see each other causally when `causal`; in a
+    The reference rules (docs/design/drafter.md): block rows see each other causally when `causal`; in a
     sliding layer the block row at absolute position p sees a context key at position q only
     when p - q < window, so later rows see fewer context rows than the anchor does."""
     clipped = window is not None and num_ctx + num_rows > window

@@ -5,7 +5,7 @@ trimmed: their cache is the recurrent state after the last row. We run the same 
 mlx-lm (its projections, conv, `normalize_qk`, decay and gate) and keep, during verification, what
 a rollback needs: the conv input rows and the recurrence inputs. Rolling back to `keep` rows then
 costs no projection: off Apple GPUs one small matmul per layer from the chunked pass's own
-intermediates; on Metal a re-run of the recurrence over the kept rows (HYBRID_CACHE.md,
+intermediates; on Metal a re-run of the recurrence over the kept rows (docs/design/gdn-rollback.md,
 "recompute").
 
 The recurrence itself: one row (a decode step) goes through mlx-lm's own step, exactly as mlx-lm

@@ -1,4 +1,4 @@
-"""DFlash and DFlash 2 block drafters (DFLASH.md), split into the two halves a cluster places apart.
+"""DFlash and DFlash 2 block drafters (docs/design/drafter.md), split into the two halves a cluster places apart.
 
 - `DraftBody`: the drafter's own layers. Input: the block's input embeddings and the target's taps
   of newly committed rows; output: the block's final hidden states. Holds no vocabulary-sized

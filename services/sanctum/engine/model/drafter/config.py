@@ -1,4 +1,4 @@
-"""A DFlash / DFlash 2 drafter's config.json (DFLASH.md): what `DrafterConfig.from_dict` accepts
+"""A DFlash / DFlash 2 drafter's config.json (docs/design/drafter.md): what `DrafterConfig.from_dict` accepts
 and checks (unknown keys ignored, missing or inconsistent ones a CheckpointError), and the
 default choice of target layers to tap.
 """
