@@ -339,16 +339,16 @@ class ServeSettings:
     max_queue: int = var("SANCTUM_MAX_QUEUE", 64, int)  # may wait more; then RESOURCE_EXHAUSTED
     # open requests whose rounds share one drafter and one target forward (1: one at a time)
     max_batch: int = var("SANCTUM_MAX_BATCH", 1, int)
-    # 1: a sequence whose drafts keep failing drafts smaller blocks (engine Decoder.adaptive)
+    # 1: a sequence whose drafts keep failing drafts smaller blocks (DecodePolicy.adaptive)
     adaptive_width: int = var("SANCTUM_ADAPTIVE_WIDTH", 0, int)
     # how sampled drafts are accepted: block verification or the token rule (engine/decode/sampling.py)
     accept_rule: str = var("SANCTUM_ACCEPT_RULE", "block")
-    # the speculation gate (engine Decoder.min_tau): a sequence whose rounds commit fewer tokens
+    # the speculation gate (DecodePolicy.min_tau): a sequence whose rounds commit fewer tokens
     # than this on average takes plain steps for a while; "auto": what a round costs in plain
     # steps, measured at load (rounded down to a quarter); 0: off
     min_tau: str = var("SANCTUM_MIN_TAU", "auto")
     # greedy rounds whose last tokens repeat an earlier stretch this long propose what followed
-    # it (engine Decoder.lookup_min, engine/decode/lookup.py); 0: off; None: the engine's default
+    # it (DecodePolicy.lookup_min, engine/decode/lookup.py); 0: off; None: the engine's default
     lookup_min: int | None = var("SANCTUM_LOOKUP_MIN", None, int)
     max_tokens_limit: int = 4096
     # prompt tokens prefilled before the other requests get their next round, fewer if they
