@@ -49,9 +49,9 @@ class Platform:
 
     @property
     def metal_kernels(self) -> bool:
-        """Metal kernels can run here (False where the metal path is forced on another device:
-        their ops forms stand in)."""
-        return self.is_metal and mx.metal.is_available()
+        """Metal kernels can run here: the metal path with MLX on an Apple GPU (mlx-lm's own
+        rule). Elsewhere, the CPU of a Mac included, their ops forms stand in."""
+        return self.is_metal and mx.default_device() == mx.gpu and mx.metal.is_available()
 
 
 def _cuda_available() -> bool:
