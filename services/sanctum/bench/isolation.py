@@ -224,7 +224,7 @@ def run(args) -> dict:
     tok_s = {k: v[0] / v[2] for k, v in totals.items()}
     return {
         "model": settings.engine.model,
-        "drafter": settings.engine.model.drafter,
+        "drafter": settings.engine.drafter,
         "transport": after.transport,
         "prompts": len(prompts),
         "repeats": args.repeats,

@@ -78,7 +78,7 @@ def start_cluster(settings: ServeSettings, round_delay: RoundDelay | None = None
         settings.cache, settings.processes
     )
     drafter = None
-    if settings.engine.model.drafter:
+    if settings.engine.drafter:
         drafter_opts = opts(
             "drafter", name=f"{prefix}-drafter", max_task_retries=-1, max_concurrency=4
         )

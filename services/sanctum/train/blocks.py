@@ -3,7 +3,7 @@ sequence in one batched, masked pass, and their losses against the frozen target
 
 Many anchors are drawn per sequence; each gets one block `[x_p, MASK, ...]` at positions
 p..p+L-1 whose rows see the context (the taps' K/V) strictly before p, by the same rules as
-inference (`engine.model.drafter.block_attention_mask`: per-row sliding windows, is_causal), and the
+inference (`engine.kernels.draft_reference.block_attention_mask`: per-row sliding windows, is_causal), and the
 rows of their own block, never another block. Row k predicts token p+k with weight
 exp(-(k-1)/gamma). The layers are `DraftBody`'s own (`DraftLayer.run`), so the weights load with
 `load_drafter` unchanged; tests pin this forward to the inference one.
@@ -30,7 +30,7 @@ def block_masks(
     cfg: DrafterConfig, anchors: mx.array, seq_len: int, block: int
 ) -> dict[str, mx.array]:
     """Boolean masks [B, 1, N*L, S + N*L] per layer type, by the inference rules
-    (`engine.model.drafter.block_attention_mask`): context keys strictly before the anchor, in sliding
+    (`engine.kernels.draft_reference.block_attention_mask`): context keys strictly before the anchor, in sliding
     layers only those less than sliding_window before each row's own position; the block's own
     rows, causally when the config says so (is_causal; when absent, in sliding layers)."""
     B, N = anchors.shape
