@@ -13,7 +13,7 @@
 #   kernels      deploy/gpu/kernel_trace.py: kernels and GPU busy time per piece of a round
 #                (16 target layers; counts where torch's profiler imports)
 #   kernels-mlx-draft  the same with the drafter's CUDA kernels off (SANCTUM_DRAFT_KERNELS)
-#   pytest-cuda  tests/test_cuda.py, when pytest imports
+#   pytest-cuda  tests/engine/test_cuda.py, when pytest imports
 #   mlx-*        a 16-layer target, plain vs mlx-lm and verify/decode, under MLX's own
 #                command-buffer settings (default, bigger buffers, no CUDA graphs)
 # A step starts only while DEADLINE (default 540) seconds have not passed, so the whole run
@@ -72,7 +72,7 @@ step kernels json 240 $py deploy/gpu/kernel_trace.py --dir "$seed_dir" ${TRACE_A
 SANCTUM_DRAFT_KERNELS=off \
   step kernels-mlx-draft json 150 $py deploy/gpu/kernel_trace.py --dir "$seed_dir" ${TRACE_ARGS:---layers 16}
 if $py -c 'import pytest' 2>/dev/null; then
-  step pytest-cuda txt 200 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  step pytest-cuda txt 200 $py -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py
 fi
 variant=(seed --json --dir "$seed_dir" --plain-only --no-phases --no-ablations --kv fp16)
 # shellcheck disable=SC2086

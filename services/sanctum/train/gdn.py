@@ -4,7 +4,7 @@ mlx-lm runs the recurrence one token at a time off Apple GPUs (and always in tra
 `mx.fast.gated_delta_update`'s gradient does too: thousands of tiny kernels per step. In chunks
 of C tokens the work is a few [C, C] and [C, D]
 matmuls per chunk plus a loop over T/C chunks, and autodiff through it is just as cheap.
-Same layouts and results as mlx-lm's `gated_delta_ops` (tests/test_train.py checks values and
+Same layouts and results as mlx-lm's `gated_delta_ops` (tests/train/test_train.py checks values and
 gradients).
 """
 

@@ -8,8 +8,8 @@ projections, MLPs, norms, the LM head, the GDN math with the states stacked on t
 the attention projections and output gate); only what touches a sequence's attention cache runs
 per sequence (RoPE at its offset, its KV update, the attention over its own length, fp16 or
 8-bit KV), as a solo verify runs it. Every row then computes what it computes alone: the batch
-axis only adds independent rows to the same kernels (tests/test_batch.py checks outputs token
-for token).
+axis only adds independent rows to the same kernels (tests/engine/test_batch_rounds.py checks
+outputs token for token).
 
 Knows nothing about drafters, scheduling, Ray or gRPC.
 """

@@ -14,7 +14,7 @@ vectorizes at all, `-finline-limit=100000` (MLX's exp is a function GCC would no
 `-fno-math-errno` (floor and fma as instructions, not calls that may set errno) and
 `-fno-trapping-math` (its selects as blends: GCC reported "control flow in loop" without it).
 None of them changes a result: the kernels compute the same bits as MLX's precompiled ops
-(tests/test_cpu.py compares them). With only the first two, GCC left every loop scalar
+(tests/engine/test_cpu.py compares them). With only the first two, GCC left every loop scalar
 (timings: docs/performance.md).
 
 MLX keeps each compiled library under `<temp dir>/mlx/<version>/cpu/` by kernel name and reuses
@@ -190,7 +190,7 @@ def logsumexp(x: mx.array) -> mx.array:
     MLX's CPU kernel takes each row's max, then sums exp(x - max) in float32 one element at a
     time, in order, with its scalar exp, which dominates a verify's greedy picks. The
     same sum here: the exp as a compiled kernel (the same bits, vectorized: `shifted_exp`),
-    added in order as the last prefix sum of MLX's scan (tests/test_sampling.py compares both
+    added in order as the last prefix sum of MLX's scan (tests/engine/test_sampling.py compares both
     to the bit). On a GPU MLX's kernel sums in another order, so it runs there."""
     if not platform.current().is_cpu:
         return mx.logsumexp(x, axis=-1, keepdims=True)

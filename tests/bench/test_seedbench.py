@@ -99,7 +99,7 @@ def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
     import os
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                SEED_DIR=str(tmp_path / "seed"), SPEC_ARGS="--max-tokens 12 --repeats 1",
                SEED_ARGS="--layers 2 --max-tokens 8 --repeats 1 --reps 1 --prompt-tokens 16",

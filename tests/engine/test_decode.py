@@ -1,23 +1,19 @@
-"""The decode path's exactness: no silent widening in a bf16 model (prefill, verify, rollback,
-KV, taps, drafter, saved prompt-cache states); plain greedy equal to mlx-lm's greedy decode;
-the pipelined plain step exact when a request stops (EOS, max_tokens, stop string, cancel);
-attention over 8-bit KV through dequantized copies (MLX CUDA's fallback) equal to the
-quantized path; the fused-GDN dispatch (CUDA) driven on the CPU by a pure-MLX stand-in."""
+"""The decode path's exactness: the pipelined plain step exact when a request stops (EOS,
+max_tokens, stop string, cancel) and with a prompt cache; attention over 8-bit KV through
+dequantized copies (MLX CUDA's fallback) equal to the quantized path; the fused-GDN
+dispatch (CUDA) driven on the CPU by a pure-MLX stand-in; the other CUDA-only paths forced
+on the CPU. (A bf16 model: test_bf16_decode.py.)"""
 
 from __future__ import annotations
-
-import shutil
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import sanctum.engine.model.gdn as gdn
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import ArraysCache, QuantizedKVCache
 from mlx_lm.models.gated_delta import gated_delta_ops
 from sanctum.engine.decode.decoder import Decoder
 from sanctum.engine.decode.generate import generate, make_key
-from sanctum.engine.decode.peer import LocalDraftPeer
 from sanctum.engine.decode.sampling import SamplingParams
 from sanctum.engine.kernels import cuda, gdn_cuda
 from sanctum.engine.model.drafter import load_drafter
@@ -35,93 +31,6 @@ def pair(make_pair):
     target_dir, drafter_dir = make_pair("hybrid", "dflash2")
     target = load_target(target_dir)
     return target, load_drafter(drafter_dir, target)
-
-
-@pytest.fixture(scope="module")
-def bf16_pair(make_pair, tmp_path_factory):
-    """The tiny hybrid pair saved in bf16, loaded in bf16 on the CPU too (keep_dtype)."""
-    root = tmp_path_factory.mktemp("bf16")
-    for src in make_pair("hybrid", "dflash2"):
-        shutil.copytree(src, root / src.name)
-        f = root / src.name / "model.safetensors"
-        weights = {k: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) else v
-                   for k, v in mx.load(str(f)).items()}  # fmt: skip
-        mx.save_safetensors(str(f), weights, metadata={"format": "pt"})
-    target = load_target(root / "target", keep_dtype=True)
-    return target, load_drafter(root / "drafter", target, keep_dtype=True)
-
-
-def _floats(cache) -> list:
-    out = []
-    for c in cache:
-        if isinstance(c, ArraysCache):
-            out.append(("conv", c[0].dtype))
-        elif isinstance(c, QuantizedKVCache):
-            out += [("kv_scales", c.keys[1].dtype), ("kv_biases", c.values[2].dtype)]
-        else:
-            out += [("keys", c.keys.dtype), ("values", c.values.dtype)]
-    return out
-
-
-@pytest.mark.parametrize("kv", ["fp16", "q8"])
-def test_bf16_model_never_widens(bf16_pair, kv):
-    """Everything the decode path keeps or hands on stays bf16; only the recurrent state is
-    float32 (by design: mlx-lm's too)."""
-    from sanctum.cache.store import PromptStore
-    from sanctum.serving.requests import GenerateRequest
-    from sanctum.serving.verifier import Verifier
-
-    target, drafter = bf16_pair
-    assert target.dtype == mx.bfloat16
-    ids = target.tokenizer.encode(PROMPT * 3)
-    taps_ids = drafter.cfg.target_layer_ids
-    cache = target.make_cache(kv)
-    logits, taps = target.prefill(ids, cache, taps_ids)
-    bf16 = mx.bfloat16
-
-    def check(where):
-        assert all(d == bf16 for _, d in _floats(cache)), (where, _floats(cache))
-        assert all(s.dtype == mx.float32 for _, s in target.recurrent_state(cache)), where
-
-    assert logits.dtype == bf16 and all(t.dtype == bf16 for t in taps)
-    check("prefill")
-    block = mx.array([5, 6, 7, 8, 9, 10, 11, 12])
-    logits, vtaps, tape = target.verify(block, cache, taps_ids)
-    assert logits.dtype == bf16 and vtaps.dtype == bf16
-    check("verify")
-    target.rollback(cache, tape, 3)
-    check("rollback")
-    peer = LocalDraftPeer(drafter)
-    peer.open("s")
-    embeds = target.embed_tokens(mx.array([3] + [drafter.cfg.mask_token_id] * 7))
-    hidden = peer.draft("s", vtaps[:4], embeds, cache_offset(cache))
-    assert hidden.dtype == bf16 and all(c.keys.dtype == bf16 for c in peer.caches["s"])
-    # the prompt cache saves what the live cache holds: bf16 KV, float32 state, bf16 taps
-    store = PromptStore(1 << 30)
-    verifier = Verifier(target, drafter, peer, store, kv_mode=kv)
-    list(verifier.generate(GenerateRequest(prompt=PROMPT, max_tokens=12)))
-    (entry,) = store.entries()
-    assert all(a.dtype in (bf16, mx.uint32) for layer in entry.kv for a in layer)
-    assert entry.rungs and all(c.dtype == bf16 for s in entry.rungs.values() for c, _ in s)
-    assert entry.taps is not None and entry.taps.dtype == bf16
-
-
-@pytest.mark.parametrize("prompt", [PROMPT, "import os\nclass A:", "hello world"])
-def test_bf16_plain_greedy_equals_mlx_lm(bf16_pair, prompt):
-    target, _ = bf16_pair
-    ids = target.tokenizer.encode(prompt)
-    want = [int(t) for t, _ in generate_step(mx.array(ids), target.model, max_tokens=40)]
-    assert tokens_of(generate(target, ids, max_tokens=40, eos_ids=set())) == want
-
-
-def test_bf16_long_prompt_equals_mlx_lm_with_its_prefill(bf16_pair, monkeypatch):
-    """A prompt past one chunk: the chunked prefill's float32 sums differ from mlx-lm's token
-    loop in the last bits; with the prefill computed as mlx-lm does, the decode is its own."""
-    target, _ = bf16_pair
-    ids = [int(t) for t in np.random.default_rng(3).integers(10, 400, size=150)]
-    want = [int(t) for t, _ in generate_step(mx.array(ids), target.model, max_tokens=24)]
-    monkeypatch.setattr(gdn, "MLX_LM_PREFILL", True)
-    assert tokens_of(generate(target, ids, max_tokens=24, eos_ids=set())) == want
 
 
 def run(decoder, target, ids, n, eos=(), stop_check=None, kv="fp16"):
@@ -296,22 +205,6 @@ def test_block_kernel_check_accepts_the_reference_and_catches_a_bad_one():
     assert gdn_cuda.supported(16, 48, 128, 128) and not gdn_cuda.supported(16, 48, 100, 128)
 
 
-def test_block_kernel_path_keeps_bf16(bf16_pair, monkeypatch):
-    """The kernel takes q, k, v and beta in the activations' dtype and gives y in it (it sums
-    in float32 inside), so a bf16 model's verify tapes and hands on bf16, with no cast kernels
-    around the launch, and the recurrent state stays float32."""
-    target, drafter = bf16_pair
-    monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
-    cache = target.make_cache()
-    target.prefill(target.tokenizer.encode(PROMPT), cache)
-    logits, taps, tape = target.verify(mx.arange(5, 13), cache, drafter.cfg.target_layer_ids)
-    assert logits.dtype == taps.dtype == mx.bfloat16
-    assert all(t.inputs[0].dtype == mx.bfloat16 for t in tape.gdn)  # taped as the kernel takes it
-    target.rollback(cache, tape, 3)
-    assert all(c.dtype == mx.bfloat16 and s.dtype == mx.float32
-               for c, s in target.recurrent_state(cache))  # fmt: skip
-
-
 def test_block_kernel_dispatch_rolls_back_exactly(pair, monkeypatch):
     """With a block kernel installed (the CUDA path; here a pure-MLX stand-in), a verify keeps
     the recurrence inputs and a rollback re-runs the kernel over the kept rows: every keep
@@ -336,7 +229,7 @@ def test_block_kernel_dispatch_rolls_back_exactly(pair, monkeypatch):
 @pytest.mark.skipif(
     cuda.is_cuda(),
     reason="the stand-in's 1e-4 agreement with a fresh prefill is the CPU's; on CUDA "
-    "tests/test_cuda.py's end-to-end check rolls the real kernel's rows back",
+    "tests/engine/test_cuda.py's end-to-end check rolls the real kernel's rows back",
 )
 def test_block_kernel_row_states_roll_back_exactly(pair, monkeypatch):
     """A block kernel that keeps every row's state (the CUDA kernel's taped variant): a verify

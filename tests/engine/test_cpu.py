@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-SERVICES = Path(__file__).resolve().parents[1] / "services"
+SERVICES = Path(__file__).resolve().parents[2] / "services"
 
 # elementwise graphs whose compiled kernels must give MLX's precompiled ops' bits: the
 # transcendental functions the models use, and a multiply-add (no contraction into an fma)

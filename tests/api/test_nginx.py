@@ -23,7 +23,7 @@ from sanctum.api.server import Server
 from sanctum.serving.inline import InlineBackend, RoundDelay
 from sanctum.settings import serve_settings
 
-CONF = Path(__file__).resolve().parents[1] / "deploy" / "nginx" / "sanctum.conf"
+CONF = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "sanctum.conf"
 TOKEN = "proxy-test-token"
 PROXIED_HTTP = {}  # the proxy's HTTP address, set by the `proxy` fixture
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from batching import PROMPTS
 from sanctum.engine.decode.generate import generate, make_key
 from sanctum.engine.decode.lookup import MAX_MATCH, TokenIndex
 from sanctum.engine.decode.peer import LocalDraftPeer
 from sanctum.engine.decode.policy import DecodePolicy, lookup_min_default
 from sanctum.engine.decode.rounds import BatchDecoder
-from test_batch import PROMPTS
 from test_engine import load_pair, tokens_of
 
 
