@@ -5,11 +5,13 @@ Each sequence keeps its own caches (attention KV of its own length and format, G
 batch 1), so nothing about a sequence changes when it joins or leaves a batch. For the forward,
 the rows of every sequence's block go through the dense parts of the model together ([N, L, H]:
 projections, MLPs, norms, the LM head, the GDN math with the states stacked on the batch axis,
-the attention projections and output gate); only what touches a sequence's attention cache runs
-per sequence (RoPE at its offset, its KV update, the attention over its own length, fp16 or
-8-bit KV), as a solo verify runs it. Every row then computes what it computes alone: the batch
-axis only adds independent rows to the same kernels (tests/engine/test_batch_rounds.py checks
-outputs token for token).
+the attention projections and output gate). Over fp16 KV the attention's cache part runs once
+for all N too (model/attention.py, SharedKV: stacked buffers, each row masked to its own
+sequence's keys); over 8-bit KV it runs per sequence, as a solo verify runs it. The caches are
+written back, and the outputs handed out, by one split per array. Every row then computes what
+it computes alone: the batch axis only adds independent rows to the same kernels (the shared
+attention's products span the longest sequence's keys, which can round a last bit otherwise;
+tests/engine/test_batch_rounds.py checks outputs token for token).
 
 Knows nothing about drafters, scheduling, Ray or gRPC.
 """
@@ -22,7 +24,12 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from ..kernels import cuda
 from ..kernels.draft_reference import block_attention_mask
-from ..model.attention import attention_over, scaled_dot_product_attention
+from ..model.attention import (
+    SharedKV,
+    attention_over,
+    scaled_dot_product_attention,
+    shared_kv,
+)
 from ..model.drafter import ContextCache, DraftBody
 from ..model.gdn import GDNBatchTape, _math_for, batch_tape_entry, cache_states
 from ..model.target import BatchTape, DequantizedView, Target, VerifyTape, cache_offset
@@ -48,8 +55,7 @@ def verify_batch(
     starts = [cache_offset(c) for c in caches]
     gdn_tapes: list[GDNBatchTape] = []
     h = target.embed_tokens(blocks)  # [N, L, H]
-    first = target._first_attn
-    masks = [cuda.attention_mask(h[:1], c[first]) if first is not None else None for c in caches]
+    masks = _attention_masks(target, h, caches)
     wanted: dict[int, mx.array | None] = {layer_id: None for layer_id in tap_ids}
     for i, layer in enumerate(target.layers):
         x = layer.input_layernorm(h)
@@ -73,11 +79,39 @@ def verify_batch(
         VerifyTape(starts[n], w, [layer.entries[n] for layer in gdn_tapes]) if taped else None
         for n, w in enumerate(widths)
     ]
-    outs = [
-        (logits[n, :w], taps[n, :w] if taps is not None else None, tape)
-        for n, (w, tape) in enumerate(zip(widths, tapes))
-    ]
+    logits = _real_rows(logits, widths)
+    taps = _real_rows(taps, widths) if taps is not None else [None] * N
+    outs = list(zip(logits, taps, tapes))
     return outs, BatchTape(tapes, gdn_tapes) if taped else None
+
+
+def _attention_masks(target: Target, h: mx.array, caches: list[list]) -> SharedKV | list:
+    """What the attention layers of a shared verify take: a SharedKV (their cache part once
+    for all N sequences) where `shared_kv` allows it, else one mask per sequence."""
+    first = target._first_attn
+    if first is None:
+        return [None] * len(caches)
+    firsts = [c[first] for c in caches]
+    shared = shared_kv(target.layers[first].self_attn, firsts, h.shape[1])
+    return shared if shared is not None else [cuda.attention_mask(h[:1], c) for c in firsts]
+
+
+def _rows(x: mx.array) -> list[mx.array]:
+    """x [N, ...] as N arrays [1, ...], by one op."""
+    return mx.split(x, x.shape[0], axis=0) if x.shape[0] > 1 else [x]
+
+
+def _real_rows(x: mx.array, widths: list[int]) -> list[mx.array]:
+    """x [N, L, ...] as N arrays [widths[n], ...] (each block's real rows), by two ops."""
+    N, L = x.shape[:2]
+    if N == 1:
+        return [x[0, : widths[0]]]
+    cuts, firsts = [], []  # where pieces end; each sequence's piece
+    for n, w in enumerate(widths):
+        firsts.append(len(cuts))
+        cuts += [n * L + w, (n + 1) * L] if w < L else [(n + 1) * L]
+    pieces = mx.split(x.reshape(N * L, *x.shape[2:]), cuts[:-1], axis=0)
+    return [pieces[i] for i in firsts]
 
 
 def _gdn_batch(mod, x: mx.array, caches: list, tapes: list[GDNBatchTape] | None) -> mx.array:
@@ -88,9 +122,9 @@ def _gdn_batch(mod, x: mx.array, caches: list, tapes: list[GDNBatchTape] | None)
     state_in = mx.concatenate(states, axis=0)  # [N, Hv, Dv, Dk]
     conv_state = mx.concatenate(convs, axis=0)  # [N, K-1, conv_dim]
     out, conv_input, state, extra = _math_for(mod, tapes is not None, S)(x, conv_state, state_in)
-    for n, c in enumerate(caches):
-        c[0] = conv_input[n : n + 1, -(mod.conv_kernel_size - 1) :, :]
-        c[1] = state[n : n + 1]
+    convs = _rows(conv_input[:, -(mod.conv_kernel_size - 1) :, :])
+    for c, conv, row_state in zip(caches, convs, _rows(state)):
+        c[0], c[1] = conv, row_state
         c.advance(S)
     if tapes is not None:
         tapes.append(batch_tape_entry(mod, caches, conv_input, state_in, S, extra))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.gated_delta import (
     _gated_delta_step_ops,
     gated_delta_kernel,
@@ -104,44 +105,57 @@ class GDNTape:
 class GDNBatchTape:
     """One GDN layer's taped pass over N sequences stacked on the batch axis (a shared verify,
     engine/decode/batch.py): each sequence's GDNTape, a row of the stacked tensors, beside those
-    tensors, so that rolling all N back can cost one op per layer instead of N."""
+    tensors, so that rolling all N back costs a few ops per layer however many they are."""
 
     entries: list[GDNTape]  # per sequence, each of batch 1
     state_in: mx.array  # [N, Hv, Dv, Dk]
     chunk_parts: tuple | None = None  # as GDNTape's, each [N, ...]
     row_states: mx.array | None = None  # [N, S, Hv, Dv, Dk]
+    conv_input: mx.array | None = None  # [N, K-1+S, conv_dim]
 
     def rollback(self, keeps: dict[int, int]) -> None:
         """Roll sequence n's cache back to the first keeps[n] rows, for each n in `keeps`: the
-        same arrays, to the bit, as `GDNTape.rollback` of each."""
-        shared = self._shared_states(keeps)
-        for n, keep in keeps.items():
-            entry = self.entries[n]
-            entry.cache[0] = entry.conv_at(keep)
-            entry.cache[1] = shared[n] if n in shared else entry.recurrent_at(keep)
+        same arrays, to the bit, as `GDNTape.rollback` of each. Every sequence's row goes
+        through the same few ops (those not in `keeps` computed and dropped)."""
+        if not keeps:
+            return
+        N = len(self.entries)
+        shared = self.conv_input is not None and (
+            self.chunk_parts is not None or (self.row_states is not None and N > 1)
+        )
+        if not shared:  # recurrence inputs (Metal), or one sequence's row-state views
+            for n, keep in keeps.items():
+                self.entries[n].rollback(keep)
+            return
+        kept = np.array([keeps.get(n, 0) for n in range(N)], np.int32)  # [N]
+        n_conv = self.conv_input.shape[1] - self.entries[0].num_rows
+        at = mx.array((kept[:, None] + np.arange(n_conv, dtype=np.int32))[..., None])
+        convs = _split_rows(mx.take_along_axis(self.conv_input, at, axis=1))
+        states = _split_rows(self._states_at(kept))
+        for n in keeps:
+            cache = self.entries[n].cache
+            cache[0], cache[1] = convs[n], states[n]
 
-    def _shared_states(self, keeps: dict[int, int]) -> dict[int, mx.array]:
-        """The recurrent states ([1, Hv, Dv, Dk]) that one op gives for several sequences: a
-        row-state tape's kept rows when copied (one gather, exact); a chunk tape's when all N keep
-        the same rows (one matmul; each sequence's result is the one its own computes). Other
-        mixes stay per sequence: on the CPU, gathering part of the stacked rows costs more
-        than the calls it saves."""
-        if self.row_states is not None:
-            kept = {n: keep for n, keep in keeps.items() if keep > 0}
-            if not kept or ROLLBACK_VIEWS:  # each entry's own view then (recurrent_at)
-                return {}
-            N, S = self.row_states.shape[:2]
-            flat = self.row_states.reshape(N * S, *self.row_states.shape[2:])
-            picked = mx.take(flat, mx.array([n * S + keep - 1 for n, keep in kept.items()]), 0)
-            return {n: picked[j : j + 1] for j, n in enumerate(kept)}
-        distinct = set(keeps.values())
-        if self.chunk_parts is None or len(keeps) < len(self.entries) or len(distinct) > 1:
-            return {}
-        keep = distinct.pop()
-        if keep == 0:
-            return {}
-        state = _state_after_compiled(keep)(self.state_in, *self.chunk_parts)
-        return {n: state[n : n + 1] for n in keeps}
+    def _states_at(self, keeps: np.ndarray) -> mx.array:
+        """The recurrent state of each sequence after its keeps[n] rows ([N, Hv, Dv, Dk]), by
+        a few ops: a gather of the kept rows' states, or `states_after` over the chunk's parts."""
+        last = np.maximum(keeps - 1, 0)  # the last kept row (any row where none is kept)
+        kept = mx.array((keeps > 0)[:, None, None, None])  # [N, 1, 1, 1]
+        if self.chunk_parts is not None:
+            k, decay, v_new = self.chunk_parts
+            N, H, C = decay.shape
+            last = mx.array(np.broadcast_to(last[:, None, None], (N, H, 1)))
+            weigh = mx.array(np.arange(C)[None, None] < keeps[:, None, None])  # [N, 1, C]
+            return _states_after_compiled(self.state_in, k, decay, v_new, last, weigh, kept)
+        N, S = self.row_states.shape[:2]
+        flat = self.row_states.reshape(N * S, *self.row_states.shape[2:])
+        picked = mx.take(flat, mx.array(np.arange(N) * S + last), axis=0)
+        return mx.where(kept, picked, self.state_in)
+
+
+def _split_rows(x: mx.array) -> list[mx.array]:
+    """x [N, ...] as N arrays [1, ...], by one op."""
+    return mx.split(x, x.shape[0], axis=0) if x.shape[0] > 1 else [x]
 
 
 # Decay factors below e^-30 (~1e-13) are taken as 0. A head that forgets within a block made
@@ -165,6 +179,22 @@ def state_after(state_in, k, decay, v_new, rows: int) -> mx.array:
     kd = k[:, :, :rows] * decay_exp(last - decay[..., :rows])[..., None]
     S = S * decay_exp(last)[..., None] + kd.swapaxes(-1, -2) @ v_new[:, :, :rows]
     return S.swapaxes(-1, -2)
+
+
+def states_after(state_in, k, decay, v_new, last, weigh, kept) -> mx.array:
+    """`state_after` of each sequence n of a one-chunk pass at its own number of kept rows, in
+    one pass: `last` [N, H, 1] the index of its last kept row, `weigh` [N, 1, C] its kept
+    rows, `kept` [N, 1, 1, 1] whether it keeps any (else: the state before the pass). The rows
+    past a keep weigh exactly 0, and a product's sum over those trailing zeros is the sum over
+    the kept rows alone (the same BLAS kernel, the same order)."""
+    last = mx.take_along_axis(decay, last, axis=-1)  # [N, H, 1]
+    S = state_in.astype(mx.float32).swapaxes(-1, -2)  # [N, H, Dk, Dv]
+    kd = k * mx.where(weigh, decay_exp(last - decay), 0.0)[..., None]
+    S = S * decay_exp(last)[..., None] + kd.swapaxes(-1, -2) @ v_new
+    return mx.where(kept, S.swapaxes(-1, -2), state_in)
+
+
+_states_after_compiled = mx.compile(states_after)
 
 
 def _state_after_compiled(rows: int):
@@ -223,12 +253,12 @@ def batch_tape_entry(
 ) -> GDNBatchTape:
     """The GDNBatchTape of a taped pass over N sequences' states stacked on the batch axis
     (`caches`: theirs, each of batch 1), from what `_gdn_math` returned."""
-    entries = []
-    for n, c in enumerate(caches):
-        row = slice(n, n + 1)
-        parts = tuple(t[row] for t in extra)
-        entries.append(tape_entry(mod, c, conv_input[row], state_in[row], rows, parts))
-    batch = GDNBatchTape(entries, state_in)
+    rows_of = [_split_rows(t) for t in (conv_input, state_in, *extra)]  # one op a tensor
+    entries = [
+        tape_entry(mod, c, conv, state, rows, tuple(parts))
+        for c, (conv, state, *parts) in zip(caches, zip(*rows_of))
+    ]
+    batch = GDNBatchTape(entries, state_in, conv_input=conv_input)
     if _one_chunk_tape(mod, rows):
         batch.chunk_parts = tuple(extra)
     elif _row_states_tape(rows):
