@@ -181,12 +181,15 @@ def _restack(attn, caches: list[ContextCache], new, counts, block_rows, masks) -
     if not sources:
         empty = mx.zeros((N, attn.n_kv_heads, 0, attn.head_dim))
         return FetchedContext(empty, empty, _stacked_mask(0, block_rows, [0] * N, attn, masks))
-    idx = mx.array(idx)
+    # a gather of whole rows (contiguous d values) is much cheaper than one along axis 2: the
+    # source is seen as [n_kv * S, d] and each head's rows indexed in it
+    total = fresh  # the source's rows
+    heads = np.arange(attn.n_kv_heads, dtype=np.int32)[None, :, None] * total
+    idx = mx.array(idx[:, None, :] + heads)  # [N, n_kv, R]
     stacked = []
     for part in zip(*sources):
         src = mx.concatenate(part, axis=2) if len(part) > 1 else part[0]
-        got = mx.take(src, idx, axis=2)  # [1, n_kv, N, R, d]
-        stacked.append(got.reshape(got.shape[1:]).transpose(1, 0, 2, 3))  # [N, n_kv, R, d]
+        stacked.append(mx.take(src.reshape(-1, src.shape[-1]), idx, axis=0))  # [N, n_kv, R, d]
     keys, values = stacked
     if R:
         split_k = mx.split(keys, N, axis=0) if N > 1 else [keys]
