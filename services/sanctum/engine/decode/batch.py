@@ -23,14 +23,9 @@ import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
 from ..kernels import cuda
-from ..kernels.draft_reference import block_attention_mask
-from ..model.attention import (
-    SharedKV,
-    attention_over,
-    scaled_dot_product_attention,
-    shared_kv,
-)
+from ..model.attention import SharedKV, attention_over, shared_kv
 from ..model.drafter import ContextCache, DraftBody
+from ..model.drafter.context import FetchedContext, padded_block_mask
 from ..model.gdn import GDNBatchTape, _math_for, batch_tape_entry, cache_states
 from ..model.target import BatchTape, DequantizedView, Target, VerifyTape, cache_offset
 
@@ -138,79 +133,112 @@ def draft_batch(
     block_embeds: mx.array,  # [N, L, H]
     starts: list[int],  # each sequence's anchor position
 ) -> mx.array:  # [N, L, H]
-    """`DraftBody.__call__` over N sequences at once: their new context rows go into each
-    sequence's own context cache, then the N blocks run the layers together (attention per
-    sequence on its own context, as `verify_batch` does for the target)."""
-    _add_contexts(body, caches, new_taps, starts)
+    """`DraftBody.__call__` over N sequences at once: their new context rows go into their
+    context caches, and the N blocks run the layers together over one stacked context per
+    layer (each sequence's rows padded in front to a common length, the pad masked out), so
+    the graph has the same ops for any N. Each block's rows compute as alone: rows of one
+    batch never see each other, and masked pad rows weigh exactly zero."""
+    contexts = _add_contexts(body, caches, new_taps, starts, block_embeds.shape[1])
     h = block_embeds
     if body.cfg.input_embedding_scale != 1.0:
         h = h * body.cfg.input_embedding_scale
+    start = mx.array(starts)
     if all(body._compilable(cache) for cache in caches):
-        # the solo compiled stack over each group of sequences whose contexts pad to the same
-        # buckets: their context rows and masks stack, and each block's rows compute as alone
-        # (rows of one batch never see each other); once every window is full, one group
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for n, cache in enumerate(caches):
-            groups.setdefault(tuple(c.bucket() for c in cache), []).append(n)
-        outs, order = [], []
-        for members in groups.values():
-            parts = [body.padded_context(caches[n], h.shape[1]) for n in members]
-            ctx = [mx.concatenate(column, axis=0) for column in zip(*parts)]
-            rows = h if len(members) == len(caches) else h[mx.array(members)]
-            start = mx.array([starts[n] for n in members])
-            outs.append(body._compiled_stack()(rows, start, *ctx))
-            order += members
-        if len(outs) == 1:
-            return outs[0]
-        # back to the callers' order: row n of the result is sequence n's
-        return mx.concatenate(outs, axis=0)[mx.argsort(mx.array(order))]
-    for i, layer in enumerate(body.layers):
-        layer_caches = [c[i] for c in caches]
-        h = layer.run(h, lambda y, a=layer.self_attn, cs=layer_caches: _attend(a, y, starts, cs))
+        flat = [t for ctx in contexts for t in (ctx.keys, ctx.values, ctx.mask)]
+        return body._compiled_stack()(h, start, *flat)
+    for layer, ctx in zip(body.layers, contexts):
+        h = layer(h, start, ctx)
     return body.norm(h)
 
 
-def _add_contexts(body: DraftBody, caches, new_taps: list, starts: list[int]) -> None:
-    """Each sequence's new context rows into its own context caches, their products made once
-    for all: fc and hidden_norm over every new row, each layer's k and v projections too; RoPE
-    at each sequence's positions and the appends per sequence. (A sequence at a time paid the
-    products' fixed cost once per sequence.)"""
+def _add_contexts(
+    body: DraftBody, caches, new_taps: list, starts: list[int], block_rows: int
+) -> list[FetchedContext]:
+    """Each sequence's new context rows into its context caches, and each layer's context of
+    all N as one FetchedContext ([N, n_kv, R, d], mask [N, 1, L, R + L]). The new rows of all
+    go through fc, hidden_norm, the k/v projections and RoPE together (each row at its own
+    position); per layer, one gather lays every sequence's kept rows (old then new, the last
+    ones right-aligned) out in the stacked context, which one split hands back to the caches."""
     keep = body.context_rows_needed()
-    parts = []  # (cache, taps, position of the first new row)
-    for taps, start, cache in zip(new_taps, starts, caches):
+    counts, rows, positions = [], [], []
+    for taps, start in zip(new_taps, starts):
         if taps is None or taps.shape[0] == 0:
+            counts.append(0)
             continue
-        if keep is not None:
+        if keep is not None and taps.shape[0] > keep:
             taps = taps[-keep:]
-        parts.append((cache, taps, start - taps.shape[0]))
-    if not parts:
-        return
-    ctx = body.hidden_norm(body.fc(mx.concatenate([t for _, t, _ in parts])[None]))
-    bounds = np.cumsum([0] + [t.shape[0] for _, t, _ in parts]).tolist()
-    for i, layer in enumerate(body.layers):
-        attn = layer.self_attn
-        k, v = (attn.k_proj(ctx), attn.v_proj(ctx)) if len(parts) > 1 else (None, None)
-        for (cache, _, first), a, b in zip(parts, bounds, bounds[1:]):
-            rows = ctx[:, a:b]
-            projected = (k[:, a:b], v[:, a:b]) if k is not None else None
-            attn.add_context(rows, first, cache[i], projected)
+        counts.append(taps.shape[0])
+        rows.append(taps)
+        positions += range(start - taps.shape[0], start)
+    new = None
+    if rows:
+        ctx = body.hidden_norm(body.fc(mx.concatenate(rows) if len(rows) > 1 else rows[0]))
+        new = (ctx[:, None], mx.array(positions))  # [S, 1, H]: a row per batch entry
+    masks = body.__dict__.setdefault("_masks", {})
+    if len(masks) > 64:
+        masks.clear()
+    return [
+        _restack(layer.self_attn, [c[i] for c in caches], new, counts, block_rows, masks)
+        for i, layer in enumerate(body.layers)
+    ]
 
 
-def _attend(attn, x: mx.array, starts: list[int], caches: list[ContextCache]) -> mx.array:
-    """`DraftAttention.__call__` for N blocks: projections batched, the rest per sequence."""
-    N, L, _ = x.shape
-    q_all = attn.q_norm(attn.q_proj(x).reshape(N, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-    k_all = attn.k_norm(attn.k_proj(x).reshape(N, L, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-    v_all = attn.v_proj(x).reshape(N, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    outs = []
-    for n, (start, cache) in enumerate(zip(starts, caches)):
-        q = attn.rope(q_all[n : n + 1], offset=start)
-        k, v = attn.rope(k_all[n : n + 1], offset=start), v_all[n : n + 1]
-        num_ctx = cache.num_rows
-        if num_ctx:
-            ck, cv = cache.fetch()
-            k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
-        mask = block_attention_mask(num_ctx, L, attn.causal, attn.window)
-        outs.append(scaled_dot_product_attention(q, k, v, None, attn.scale, mask))
-    out = mx.concatenate(outs, axis=0)  # [N, heads, L, d]
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(N, L, -1))
+def _restack(attn, caches: list[ContextCache], new, counts, block_rows, masks) -> FetchedContext:
+    """One layer's part of `_add_contexts`."""
+    N = len(caches)
+    kept = [c.rows_after(n) for c, n in zip(caches, counts)]
+    if all(c.window is not None for c in caches):
+        R = max(c.bucket_of(k) for c, k in zip(caches, kept))  # the padded solo path's shape
+    else:
+        R = max(kept)
+    sources, offset, firsts = [], 0, []  # firsts: each cache's first row in use in the source
+    for c in caches:
+        firsts.append(offset + c.begin)
+        if c.num_rows:
+            sources += [(c.keys, c.values)]
+            offset += c.keys.shape[2]
+    fresh = offset  # the new rows' first in the source
+    if new is not None:
+        k, v = attn._kv(*new)  # [S, n_kv, 1, d] each
+        sources.append((k.transpose(2, 1, 0, 3), v.transpose(2, 1, 0, 3)))
+    idx = np.zeros((N, R), np.int32)  # pad rows read source row 0: finite, and masked out
+    for n, (c, count, rows) in enumerate(zip(caches, counts, kept)):
+        # the kept rows are the last `rows` of the cache's rows then its new ones
+        t = np.arange(c.num_rows + count - rows, c.num_rows + count)
+        idx[n, R - rows :] = np.where(t < c.num_rows, firsts[n] + t, fresh + t - c.num_rows)
+        fresh += count
+    if not sources:
+        empty = mx.zeros((N, attn.n_kv_heads, 0, attn.head_dim))
+        return FetchedContext(empty, empty, _stacked_mask(0, block_rows, [0] * N, attn, masks))
+    # a gather of whole rows (contiguous d values) is much cheaper than one along axis 2: the
+    # source is seen as [n_kv * S, d] and each head's rows indexed in it
+    total = fresh  # the source's rows
+    heads = np.arange(attn.n_kv_heads, dtype=np.int32)[None, :, None] * total
+    idx = mx.array(idx[:, None, :] + heads)  # [N, n_kv, R]
+    stacked = []
+    for part in zip(*sources):
+        src = mx.concatenate(part, axis=2) if len(part) > 1 else part[0]
+        stacked.append(mx.take(src.reshape(-1, src.shape[-1]), idx, axis=0))  # [N, n_kv, R, d]
+    keys, values = stacked
+    if R:
+        split_k = mx.split(keys, N, axis=0) if N > 1 else [keys]
+        split_v = mx.split(values, N, axis=0) if N > 1 else [values]
+        for c, ck, cv, rows in zip(caches, split_k, split_v, kept):
+            c.adopt(ck, cv, rows)
+    pads = [R - rows for rows in kept]
+    return FetchedContext(keys, values, _stacked_mask(R, block_rows, pads, attn, masks))
+
+
+def _stacked_mask(rows: int, block_rows: int, pads: list[int], attn, masks: dict) -> mx.array:
+    """[N, 1, L, rows + L]: `padded_block_mask` of each sequence's pad, kept by shape and pads
+    (once the windows are full every round has the same)."""
+    key = ("stacked", rows, block_rows, tuple(pads), attn.causal, attn.window)
+    if (mask := masks.get(key)) is None:
+        base = padded_block_mask(rows, block_rows, 0, attn.causal, attn.window)
+        if any(pads):
+            seen = mx.arange(rows + block_rows)[None] >= mx.array(pads)[:, None]  # [N, R + L]
+            mask = base & seen[:, None, None, :]
+        else:
+            mask = mx.broadcast_to(base, (len(pads), *base.shape[1:]))
+        mask = masks[key] = mx.contiguous(mask)
+    return mask

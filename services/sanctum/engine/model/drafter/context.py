@@ -120,7 +120,24 @@ class ContextCache:
     def bucket(self) -> int:
         """Rows `padded` pads a sliding layer's context to: the next multiple of STEP, at most
         the window (so a few shapes in all, and one once the window is full)."""
-        return min(self.window, self.STEP * max(1, -(-self.num_rows // self.STEP)))
+        return self.bucket_of(self.num_rows)
+
+    def bucket_of(self, rows: int) -> int:
+        """`bucket` once the context holds `rows` rows."""
+        return min(self.window, self.STEP * max(1, -(-rows // self.STEP)))
+
+    def rows_after(self, n: int) -> int:
+        """The rows in use once `n` more are appended (a sliding layer keeps its window)."""
+        rows = self.num_rows + n
+        return rows if self.window is None else min(rows, self.window)
+
+    def adopt(self, keys: mx.array, values: mx.array, rows: int) -> None:
+        """Take `keys`/`values` ([1, n_kv, R, d], the rows in use last) as the buffer: what a
+        shared round's stacked context hands back to each sequence (`decode.batch`)."""
+        assert self.unsettled is None, "settle the rows appended before"
+        self.keys, self.values = keys, values
+        self.end = keys.shape[2]
+        self.begin = self.end - rows
 
     @property
     def nbytes(self) -> int:
