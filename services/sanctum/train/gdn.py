@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 from mlx import nn
 
-from ..engine.model.gdn import chunked_gated_delta  # the engine's verify/prefill use it too
+from ..engine.model.gdn_math import chunked_gated_delta  # the engine's verify/prefill use it too
 
 
 @contextmanager
