@@ -84,12 +84,15 @@ def attention_caches(target, cache: list) -> list:
 
 def snapshot_kv(target, cache: list) -> KV:
     """The attention layers' KV through mlx-lm's cache protocol (`state`: keys, values, offset,
-    then a quantized cache's group size and bits), sliced to the tokens held: fresh arrays, safe
-    to keep. A layer's arrays: (keys, values), or 8-bit KV's three parts of each."""
+    then a quantized cache's group size and bits), copied to the tokens held (a gather: exact):
+    arrays of their own, safe to keep. A live buffer can be a view of a larger one (a shared
+    round's stacked KV), which a kept view would hold alive with it. A layer's arrays: (keys,
+    values), or 8-bit KV's three parts of each."""
     out = []
     for c in attention_caches(target, cache):
         keys, values, offset = c.state[:3]
-        out.append(tuple(a[..., :offset, :] for _, a in tree_flatten((keys, values))))
+        rows = mx.arange(offset)
+        out.append(tuple(mx.take(a, rows, axis=-2) for _, a in tree_flatten((keys, values))))
     return out
 
 
