@@ -31,6 +31,8 @@ DEFAULT_PAIR = ASSETS / "default"  # the trained pair shipped in the package, wh
 # leaving the core to the other role process while this one waits (cli.py, cluster/backend.py)
 OPENBLAS_IDLE_SPIN = "4"
 ROLES = ("verifier", "drafter", "store")
+KV_MODES = ("fp16", "q8")  # the attention KV formats the engine keeps (engine/model/target.py)
+ACCEPT_RULES = ("block", "token")  # how sampled drafts are accepted (engine/decode/sampling.py)
 TRANSPORTS = ("auto", "shm", "object_store")
 Env = Mapping[str, str]
 
@@ -71,14 +73,11 @@ def sanctum_home(env: Env = os.environ) -> Path:
 
 def default_pair(env: Env = os.environ) -> tuple[Path, Path]:
     """(target, drafter) used when no model is named: the shipped trained pair, or else a tiny
-    random pair made on first use (what `make setup` also makes)."""
+    random pair under SANCTUM_HOME, which `tiny.ensure_pair` makes on first use (loading the
+    models does)."""
     if (DEFAULT_PAIR / "target" / "config.json").is_file():
         return DEFAULT_PAIR / "target", DEFAULT_PAIR / "drafter"
     tiny = sanctum_home(env) / "tiny"
-    if not (tiny / "drafter" / "config.json").is_file():
-        from .tiny import make_tiny
-
-        make_tiny(tiny)
     return tiny / "target", tiny / "drafter"
 
 
@@ -93,7 +92,7 @@ class EngineSettings:
     drafter: str | None = var("SANCTUM_MLX_DFLASH2_DIR")  # None: plain decoding
     block_size: int | None = var("SANCTUM_MLX_DFLASH2_BLOCK", None, int)  # None: drafter config's
     drafter_bits: int = var("SANCTUM_MLX_DFLASH2_BITS", 0, int)  # 0: unquantized
-    kv_mode: str = var("SANCTUM_KV", "fp16")  # engine/model/target.py KV_MODES
+    kv_mode: str = var("SANCTUM_KV", "fp16")  # one of KV_MODES
 
 
 @dataclass(frozen=True)
@@ -118,8 +117,6 @@ def engine_settings(
 ) -> EngineSettings:
     """Flags (non-None arguments) override the environment, which overrides defaults.
     `drafter="none"` turns speculation off; no model: the default pair (its drafter too)."""
-    from .engine.model.target import KV_MODES
-
     s = read(
         EngineSettings,
         env,
@@ -417,8 +414,6 @@ def serve_settings(
     )
     if s.transport not in TRANSPORTS:
         raise ValueError(f"transport must be auto, shm or object_store, got {s.transport!r}")
-    from .engine.decode.sampling import ACCEPT_RULES
-
     if s.min_tau != "auto":
         try:
             ok = float(s.min_tau) >= 0
@@ -456,8 +451,6 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-size", type=int, help="draft block size (default: drafter config)")
     p.add_argument("--bits", type=int, help="quantize the drafter at load (4, 8; 0 = none)")
-    from .engine.model.target import KV_MODES
-
     p.add_argument("--kv", dest="kv_mode", choices=KV_MODES, help="attention KV cache format")
 
 

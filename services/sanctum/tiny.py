@@ -346,3 +346,16 @@ def make_tiny(
     target = make_tiny_target(out / "target", kind, seed)
     draft = make_tiny_drafter(out / "drafter", target, drafter, seed + 1, block_size)
     return target, draft
+
+
+def ensure_pair(target: str | Path, drafter: str | Path | None) -> None:
+    """Make the tiny random pair where settings' `default_pair` points when no trained pair is
+    shipped (SANCTUM_HOME/tiny), on first use; any other path is left alone."""
+    from .settings import default_pair
+
+    tiny_target, tiny_drafter = default_pair()
+    named = {Path(target)} | ({Path(drafter)} if drafter else set())
+    if tiny_target.parent != tiny_drafter.parent or not named & {tiny_target, tiny_drafter}:
+        return
+    if not (tiny_drafter / "config.json").is_file():
+        make_tiny(tiny_target.parent)

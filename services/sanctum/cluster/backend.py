@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from dataclasses import replace
+from pathlib import Path
 
 import ray
 
@@ -58,6 +59,10 @@ def start_cluster(settings: ServeSettings, round_delay: RoundDelay | None = None
     slower target (benchmarks, tests)."""
     if not ray.is_initialized():
         raise RuntimeError("ray.init() first (a local cluster, or RAY_ADDRESS)")
+    if not Path(settings.engine.model, "config.json").is_file():  # the tiny pair, on first use
+        from ..tiny import ensure_pair
+
+        ensure_pair(settings.engine.model, settings.engine.drafter)
     threads = role_blas_threads(settings.processes)
 
     def opts(role: str, **kw) -> dict:

@@ -60,7 +60,9 @@ def load_models(e: EngineSettings, parts: str = "both") -> tuple[Target, Drafter
     """The target, and the drafter (`parts`: "both", or "head" when the body runs elsewhere)."""
     from ..engine.model.drafter import load_drafter
     from ..engine.model.target import load_target
+    from ..tiny import ensure_pair
 
+    ensure_pair(e.model, e.drafter)
     target = load_target(e.model)
     drafter = None
     if e.drafter:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ...settings import ACCEPT_RULES  # noqa: F401  (sampling.ACCEPT_RULES: its rules' names)
 from ..kernels import cpu
 
 
@@ -123,9 +124,6 @@ def _draw_next(residual: mx.array | None, p: mx.array, key: mx.array) -> mx.arra
         total = residual.sum()
         p = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p)
     return sample(p[None], key)[0]
-
-
-ACCEPT_RULES = ("block", "token")
 
 
 def block_acceptance(

@@ -15,6 +15,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
+from ...settings import KV_MODES
 from ..kernels import cpu, cuda, fused, platform, sdpa
 from . import attention, gdn
 from .checkpoint import CheckpointError, read_config, resolve_checkpoint
@@ -22,7 +23,6 @@ from .gdn import COMPILE_MAX_ROWS, GDNBatchTape, GDNTape
 
 # mlx-lm model types whose layers are all full attention or Gated DeltaNet.
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
-KV_MODES = ("fp16", "q8")
 PREFILL_CHUNK = 2048
 # On a GPU a forward hands every this many layers to the device as soon as they are built
 # (mx.async_eval), so the device runs the first layers while Python builds the rest; on the
