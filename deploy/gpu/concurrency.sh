@@ -10,15 +10,16 @@
 # first, each under its own `timeout` (a hang costs that step only):
 #   build        the seed-shaped pair (bench seed --build-only; reused under SEED_DIR)
 #   seed-steady  bench batch --steady at 1,4,8 on it: round ms, tok/s vs one, the phases, the
-#                op counts, every output judged against plain greedy (near-tie verdicts)
+#                op counts (COUNT), every output judged against plain greedy (near-tie verdicts)
+#   default-served  bench batch --concurrency 1,4,8 --warm on the default pair, served inline
 #   seed-trace   bench round-trace at 1,4,8 on it: each piece of a round timed and op-counted
 #   default-steady  the same as seed-steady on the default pair
-#   default-served  bench batch --concurrency 1,4,8 --warm on the default pair, served inline
 # MLX builds its CUDA kernels at first use (~150 s on a fresh machine), kept under
 # MLX_PTX_CACHE_DIR for later runs. A step starts only while DEADLINE (default 530) seconds
 # have not passed. QUICK=1 shrinks everything (the small seed shape at 2 layers, few rounds):
 # a smoke run on a CPU. Knobs: SEED_LAYERS (default 64: the seed's depth), SEED_DIR, PYTHON,
-# DEADLINE, ROUNDS (timed steady rounds), WARM (untimed rounds).
+# DEADLINE, ROUNDS (timed steady rounds), WARM (untimed rounds), COUNT (rounds with their ops
+# counted; 0 on a GPU by default: the counts do not depend on the device).
 set -uo pipefail
 out=${1:-${OUT:-/tmp/sanctum-concurrency}}
 py=${PYTHON:-python3}
@@ -32,10 +33,10 @@ export TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/.cache/sanctum/cuda-ptx}
 if [ "${QUICK:-0}" = 1 ]; then
   seed_args=(--scale small --layers "${SEED_LAYERS:-2}")
-  rounds=${ROUNDS:-2} warm=${WARM:-1} phases=1 count=1 passes=1 tokens=16
+  rounds=${ROUNDS:-2} warm=${WARM:-1} phases=1 count=${COUNT:-1} passes=1 tokens=16
 else
   seed_args=(--scale seed --layers "${SEED_LAYERS:-64}")
-  rounds=${ROUNDS:-8} warm=${WARM:-4} phases=4 count=2 passes=2 tokens=64
+  rounds=${ROUNDS:-8} warm=${WARM:-4} phases=4 count=${COUNT:-0} passes=2 tokens=64
 fi
 bench=("$py" -m sanctum.cli bench)
 # each JSON line of stdin, tagged with its step, appended to $lines
@@ -72,14 +73,16 @@ step build 300 "${bench[@]}" seed --build-only --json --dir "$seed_dir" "${seed_
 pair=$("$py" -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "\"build\"" in l and "target" in l]
 print(rows[-1]["target"], rows[-1]["drafter"]) if rows else None' "$lines")
-steady=(--steady "$rounds" --warm-rounds "$warm" --phases "$phases" --count-ops "$count"
-  --concurrency 1,4,8 --lines)
+steady=(--steady "$rounds" --warm-rounds "$warm" --phases "$phases" --concurrency 1,4,8 --lines)
+[ "$count" -gt 0 ] && steady+=(--count-ops "$count")
 if [ -n "$pair" ]; then
   read -r target drafter <<< "$pair"
-  step seed-steady 240 "${bench[@]}" batch --model "$target" --drafter "$drafter" "${steady[@]}"
+  step seed-steady 330 "${bench[@]}" batch --model "$target" --drafter "$drafter" "${steady[@]}"
+fi
+step default-served 90 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --json
+if [ -n "$pair" ]; then
   step seed-trace 150 "${bench[@]}" round-trace --model "$target" --drafter "$drafter" \
     --passes "$passes" --warm-rounds "$warm" --lines
 fi
 step default-steady 120 "${bench[@]}" batch "${steady[@]}"
-step default-served 150 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --json
 echo "figures: $lines"
