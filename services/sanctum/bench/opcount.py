@@ -34,6 +34,7 @@ PHASE_OF = {
     "_accept": "accept",
     "_lazy_accept": "accept",
     "_conclude": "accept",
+    "_accept_all": "accept",
     "hand_on": "verify",
     "verify": "verify",
     "verify_batch": "verify",
@@ -48,6 +49,7 @@ PHASE_OF = {
     "_sample_one": "plain",
     "_plain_step": "plain",
     "_settle_plain": "plain",
+    "_plain_steps": "plain",
 }
 
 

@@ -38,9 +38,11 @@ from .sampling import (
     accept_block,
     accept_greedy,
     accept_sampled,
+    block_rule_acceptance,
     greedy_tokens,
     probabilities,
     sample,
+    token_rule_acceptance,
 )
 from .sequence import GREEDY, Ahead, RoundStats, Sequence, Step, StopCheck
 from .taps import TapLog
@@ -192,9 +194,13 @@ class Decoder(Drafting):
 
     # ---- internals ---------------------------------------------------------------------
     def _sample_one(self, logits: mx.array, params: SamplingParams, key: mx.array) -> int:
+        return int(self._token(logits, params, key).item())
+
+    def _token(self, logits: mx.array, params: SamplingParams, key: mx.array) -> mx.array:
+        """`_sample_one` unevaluated: the token [] after the last row of `logits`."""
         if params.greedy:
-            return int(greedy_tokens(logits[-1:])[0].item())
-        return int(sample(probabilities(logits[-1:], params), key)[0].item())
+            return greedy_tokens(logits[-1:])[0]
+        return sample(probabilities(logits[-1:], params), key)[0]
 
     def _commit(
         self, seq: Sequence, new: list[int], stop_check: StopCheck | None, stats: RoundStats | None
@@ -228,11 +234,20 @@ class Decoder(Drafting):
         return self._settle_plain(seq, logits, taps, key, t0, gated)
 
     def _settle_plain(
-        self, seq: Sequence, logits, taps, key: mx.array, t0: float, gated: bool = False
+        self,
+        seq: Sequence,
+        logits,
+        taps,
+        key: mx.array,
+        t0: float,
+        gated: bool = False,
+        token: int | None = None,
     ) -> Step:
         """A plain step after its forward (the anchor's logits and taps, started at `t0`):
-        sample, keep the taps for the drafter, commit. `gated`: taken by the speculation gate."""
-        token = self._sample_one(logits, seq.sampling, key)
+        sample, keep the taps for the drafter, commit. `gated`: taken by the speculation gate;
+        `token`: already sampled (a shared round reads all its sequences' tokens at once)."""
+        if token is None:
+            token = self._sample_one(logits, seq.sampling, key)
         seq.cached_tokens.append(seq.anchor)
         if taps is not None:
             seq.taps.add(taps)
@@ -287,6 +302,14 @@ class Decoder(Drafting):
         rule = accept_block if self.policy.accept_rule == "block" else accept_sampled
         return rule(drafts, q, probabilities(logits, params), key)
 
+    def _sampled_acceptance(self, drafts, q, logits, params, key) -> tuple[mx.array, mx.array]:
+        """`_accept` of a sampled block, unevaluated: (count [], next token []), the same draws."""
+        if self.policy.accept_rule == "block":
+            rule = block_rule_acceptance
+        else:
+            rule = token_rule_acceptance
+        return rule(drafts, q, probabilities(logits, params), key)
+
     def _speculative_round(self, seq: Sequence, key: mx.array) -> Step:
         k_draft, k_accept = mx.random.split(key)
         t0 = time.perf_counter()
@@ -317,21 +340,34 @@ class Decoder(Drafting):
         return step
 
     def _conclude(
-        self, seq, block, drafts, q, verified, k_accept, stats: RoundStats, acceptance=None
+        self,
+        seq,
+        block,
+        drafts,
+        q,
+        verified,
+        k_accept,
+        stats: RoundStats,
+        acceptance=None,
+        read: tuple[int, int, list[int]] | None = None,
     ) -> Step:
         """The round after its verify up to the rollback: accept, commit, hand the taps on,
         prefetch. The cache is then rolled back to the anchor and the committed tokens but the
         last (the next anchor): `len(step.tokens)` rows of the block. `acceptance`: the
-        unevaluated (count, bonus) a block was drafted ahead on (`_draft_next`)."""
+        unevaluated (count, bonus) a block was drafted ahead on (`_draft_next`); `read`:
+        (count, bonus, block ids) a shared round read already for all its sequences."""
         logits, taps, tape = verified
         seq.last_tape = tape
         t1 = time.perf_counter()
-        if acceptance is not None:
+        if read is not None:
+            accepted, bonus, block_ids = read
+        elif acceptance is not None:
             accepted, bonus = (int(a.item()) for a in acceptance)
         else:
             accepted, bonus = self._accept(drafts, q, logits, seq.sampling, k_accept)
         t2 = time.perf_counter()
-        block_ids = block.tolist()
+        if read is None:
+            block_ids = block.tolist()
         stats.accepted = accepted
         stats.verify_s += t2 - t1  # the acceptance waits on the verify
         step = self._commit(seq, block_ids[1 : accepted + 1] + [bonus], seq.stop_check, stats)

@@ -40,6 +40,13 @@ class Drafting:
         anchor_embed = self.target.embed_tokens(ids)
         return mx.concatenate([anchor_embed, mx.repeat(self.mask_embed, size - 1, 0)])
 
+    def _blocks_embeds(self, anchors: list[int], size: int) -> mx.array:
+        """[N, L, H]: `_block_embeds` of N anchors at once (one embedding lookup)."""
+        anchor_embeds = self.target.embed_tokens(mx.array(anchors))[:, None]  # [N, 1, H]
+        N, _, H = anchor_embeds.shape
+        masks = mx.broadcast_to(self.mask_embed[None], (N, size - 1, H))
+        return mx.concatenate([anchor_embeds, masks], axis=1)
+
     def _prefetch(self, seq: Sequence, start: int) -> None:
         """Ask a pipelined peer for the next block now (anchor at `start`), to collect it at the
         next round; the caller goes on (rollback, streaming) while the drafter computes."""

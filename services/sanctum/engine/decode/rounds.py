@@ -11,12 +11,14 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
+import numpy as np
 
 from ..kernels import cuda
 from ..model.target import cache_offset
 from .batch import verify_batch
 from .decoder import Decoder
 from .peer import DraftUnavailable
+from .sampling import greedy_acceptance_batch
 from .sequence import Prefetch, RoundStats, Sequence, Step
 
 
@@ -98,8 +100,14 @@ class BatchDecoder(Decoder):
         anchors = mx.array([[seq.anchor] for seq in group])
         caches = [seq.cache for seq in group]
         outs, _ = verify_batch(self.target, anchors, caches, self.tap_ids, taped=False)
-        for i, seq, (logits, taps, _) in zip(idx, group, outs):
-            steps[i] = self._settle_plain(seq, logits, taps, keys[i], t0, gated=True)
+        tokens = mx.stack(
+            [
+                self._token(logits, seq.sampling, keys[i])
+                for i, seq, (logits, *_) in zip(idx, group, outs)
+            ]
+        ).tolist()  # one read for all
+        for i, seq, (logits, taps, _), token in zip(idx, group, outs, tokens):
+            steps[i] = self._settle_plain(seq, logits, taps, keys[i], t0, True, token)
             steps[i].stats.verify_s /= len(idx)  # the shared forward's time, split
 
     def _draft_group(self, seqs, keys, idx, steps: dict) -> list:
@@ -122,39 +130,66 @@ class BatchDecoder(Decoder):
         a forward of their own cost a round's fixed part again (on a GPU all its launches),
         where a block of one row costs its padded rows; the rollback keeps that row."""
         t1 = time.perf_counter()
-        blocks = [
-            mx.concatenate([mx.array([seq.anchor]), drafts.astype(mx.int32)])
-            for _, seq, drafts, _, _ in drafted
-        ] + [mx.array([seq.anchor]) for _, seq, _ in gated]
-        widths = [b.shape[0] for b in blocks]
-        L = cuda.verify_width(max(widths), len(blocks))
-        padded = mx.stack([mx.pad(b, (0, L - b.shape[0])) for b in blocks])  # [N, L]
+        anchors = [seq.anchor for _, seq, *_ in drafted + gated]
+        widths = [1 + drafts.shape[0] for _, _, drafts, *_ in drafted] + [1] * len(gated)
+        L = cuda.verify_width(max(widths), len(widths))
+        padded = assemble_blocks(anchors, [drafts for _, _, drafts, *_ in drafted], L)  # [N, L]
         caches = [seq.cache for _, seq, *_ in drafted + gated]
         outs, tape = verify_batch(self.target, padded, caches, self.tap_ids, widths)
         if self.policy.profile:
             mx.eval([logits for logits, _, _ in outs])
-        # the shared phases' wall time, split over the batch
-        draft_s, verify_s = draft_s / len(drafted), (time.perf_counter() - t1) / len(blocks)
+        t2 = time.perf_counter()
+        reads, tokens = self._accept_all(drafted, gated, padded, outs, widths)
+        # the shared phases' wall time, split over the batch (the forward is awaited in the read)
+        draft_s, verify_s = draft_s / len(drafted), (time.perf_counter() - t1) / len(widths)
         self._deferred = []
         try:
-            for (i, seq, drafts, q, k_acc), block, out in zip(drafted, blocks, outs):
-                stats = RoundStats(block.shape[0], 0, 0, draft_s, verify_s)
+            for (i, seq, drafts, q, k_acc), w, out, read in zip(drafted, widths, outs, reads):
+                stats = RoundStats(w, 0, 0, draft_s, verify_s)
                 stats.looked_up = seq.looked_up
-                steps[i] = self._conclude(seq, block, drafts, q, out, k_acc, stats)
+                steps[i] = self._conclude(seq, None, drafts, q, out, k_acc, stats, None, read)
             deferred = self._deferred
         finally:
             self._deferred = None
-        for (i, seq, key), (logits, taps, _) in zip(gated, outs[len(drafted) :]):
-            steps[i] = self._settle_plain(seq, logits, taps, key, time.perf_counter(), gated=True)
+        for (i, seq, key), (logits, taps, _), token in zip(gated, outs[len(drafted) :], tokens):
+            steps[i] = self._settle_plain(seq, logits, taps, key, t2, True, token)
             steps[i].stats.verify_s = verify_s
         self._prefetch_together(deferred)  # the drafter works while the caches roll back
         settled = [steps[i] for i, *_ in drafted]
         t2 = time.perf_counter()
         keeps = [len(step.tokens) for step in settled] + [1] * len(gated)  # a plain step's row
         self._queue_rollback(self.target.rollback_batch(caches, tape, keeps))
-        rollback_s = (time.perf_counter() - t2) / len(blocks)
+        rollback_s = (time.perf_counter() - t2) / len(widths)
         for step in settled + [steps[i] for i, *_ in gated]:
             step.stats.rollback_s = rollback_s
+
+    def _accept_all(self, drafted, gated, blocks, outs, widths) -> tuple[list, list[int]]:
+        """The acceptance of every block of a shared round in one evaluation and one host read:
+        (count, bonus, block ids) of each drafted block, and each gated sequence's token. Greedy
+        blocks are judged together; sampled ones each with its own key, as alone."""
+        N, L = blocks.shape
+        num_drafted = len(drafted)
+        if any(seq.sampling.greedy for _, seq, *_ in drafted):
+            run, bonus = greedy_acceptance_batch(blocks, [out[0] for out in outs], widths)
+        else:  # (read from `singles` below)
+            run = bonus = mx.zeros((N,), mx.int32)
+        singles = []  # [] arrays: each sampled block's (count, token), then each gated token
+        for (_, seq, drafts, q, k_acc), (logits, _, _) in zip(drafted, outs):
+            if not seq.sampling.greedy:
+                singles += self._sampled_acceptance(drafts, q, logits, seq.sampling, k_acc)
+        for (_, seq, key), (logits, _, _) in zip(gated, outs[num_drafted:]):
+            singles.append(self._token(logits, seq.sampling, key))
+        parts = [mx.concatenate([run[:, None], bonus[:, None], blocks], axis=1).reshape(-1)]
+        if singles:
+            parts.append(mx.stack(singles).astype(mx.int32))
+        flat = (mx.concatenate(parts) if len(parts) > 1 else parts[0]).tolist()
+        table = [flat[n * (L + 2) : (n + 1) * (L + 2)] for n in range(N)]
+        extra = iter(flat[N * (L + 2) :])
+        reads = []
+        for (_, seq, *_), row, w in zip(drafted, table, widths):
+            count, token = (row[0], row[1]) if seq.sampling.greedy else (next(extra), next(extra))
+            reads.append((count, token, row[2 : 2 + w]))
+        return reads, list(extra)
 
     def _prefetch(self, seq: Sequence, start: int) -> None:
         if self._deferred is not None and self.pipelined and hasattr(self.peer, "submit_batch"):
@@ -177,7 +212,7 @@ class BatchDecoder(Decoder):
             try:
                 for seq in seqs:
                     self._open_draft(seq)
-                embeds = mx.stack([self._block_embeds(seq.anchor, width) for seq in seqs])
+                embeds = self._blocks_embeds([seq.anchor for seq in seqs], width)
                 parts = self.peer.submit_batch(
                     [seq.seq_id for seq in seqs],
                     [seq.taps.unsent() for seq in seqs],
@@ -224,9 +259,7 @@ class BatchDecoder(Decoder):
         try:
             for seq in seqs:
                 self._open_draft(seq)
-            embeds = mx.stack(
-                [self._block_embeds(s.anchor, self.width(s)) for s in seqs]
-            )  # [N, L, H]
+            embeds = self._blocks_embeds([s.anchor for s in seqs], self.width(seqs[0]))  # [N, L, H]
             taps = [seq.taps.unsent() for seq in seqs]
             hidden = draft_batch(
                 [seq.seq_id for seq in seqs], taps, embeds, [cache_offset(s.cache) for s in seqs]
@@ -239,15 +272,40 @@ class BatchDecoder(Decoder):
         logits = self.head.logits(cuda.pad_rows(hidden.reshape(N * R, H)))[: N * R]
         logits = logits.reshape(N, R, -1)  # [N, L-1, V]
         out: list = [None] * N
-        greedy = [n for n, s in enumerate(seqs) if s.sampling.greedy] if self.cfg.is_v2 else []
-        if len(greedy) > 1:  # DFlash 2's greedy selections of all blocks in one pass
-            rows = mx.array(greedy)
-            anchors = mx.array([seqs[n].anchor for n in greedy])
-            tokens = self.head.select_greedy(hidden[rows], logits[rows], anchors)
-            for j, n in enumerate(greedy):
-                out[n] = (tokens[j], None)
+        greedy = [n for n, s in enumerate(seqs) if s.sampling.greedy]
+        if len(greedy) > 1:  # the greedy drafts of all blocks in one pass
+            every = len(greedy) == N
+            rows = None if every else mx.array(greedy)
+            chosen = logits if every else logits[rows]
+            if self.cfg.is_v2:  # DFlash 2's selections
+                anchors = mx.array([seqs[n].anchor for n in greedy])
+                tokens = self.head.select_greedy(hidden if every else hidden[rows], chosen, anchors)
+            else:
+                tokens = mx.argmax(chosen, axis=-1)
+            # one split of the flat rows: each block's drafts [L-1] without a node of its own
+            for n, drafts in zip(greedy, mx.split(tokens.reshape(-1), len(greedy))):
+                out[n] = (drafts, None)
         for n, (seq, key) in enumerate(zip(seqs, keys)):
             seq.taps.sent = seq.taps.end
             if out[n] is None:
                 out[n] = self._propose(seq, hidden[n], logits[n], seq.sampling, key)
         return out
+
+
+def assemble_blocks(anchors: list[int], drafts: list[mx.array], width: int) -> mx.array:
+    """[N, width] int32: each sequence's anchor then its drafts, zero-padded at its end (the
+    anchors past `len(drafts)` stand alone), gathered from one flat array of all the rows."""
+    N = len(anchors)
+    if drafts:
+        common = drafts[0].dtype  # token ids: any integer type holds them exactly
+        flat = mx.concatenate([d.astype(common) for d in drafts]).astype(mx.int32)
+        flat = mx.concatenate([mx.array(anchors + [0], mx.int32), flat])
+    else:
+        flat = mx.array(anchors + [0], mx.int32)
+    index = np.full((N, width), N, np.int32)  # the zero after the anchors
+    index[:, 0] = np.arange(N)
+    first = N + 1
+    for n, d in enumerate(drafts):
+        index[n, 1 : 1 + d.shape[0]] = np.arange(first, first + d.shape[0])
+        first += d.shape[0]
+    return flat[mx.array(index)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from ...settings import ACCEPT_RULES  # noqa: F401  (sampling.ACCEPT_RULES: its rules' names)
 from ..kernels import cpu
@@ -111,6 +112,48 @@ def accept_sampled(
     return accepted, _next_token(residual, target_probs[accepted], k_fix)
 
 
+def token_rule_acceptance(
+    drafts: mx.array, draft_probs: mx.array, target_probs: mx.array, key: mx.array
+) -> tuple[mx.array, mx.array]:
+    """`accept_sampled` unevaluated: (accepted count [], next token []), the same draws with
+    the same key, so a shared round reads every sequence's acceptance at once. The residual
+    is taken at the count before the host reads it: times 0 when every draft is kept, which
+    `_draw_next` treats as no residual."""
+    n = drafts.shape[0]
+    k_accept, k_fix = mx.random.split(key)
+    if n == 0:
+        return mx.array(0, mx.int32), _draw_next(None, target_probs[0], k_fix)
+    rows = mx.arange(n)
+    p_d = target_probs[rows, drafts]
+    q_d = draft_probs[rows, drafts]
+    u = mx.random.uniform(shape=(n,), key=k_accept)
+    accepted = mx.cumprod((u * q_d < p_d).astype(mx.int32)).sum()
+    at = mx.minimum(accepted, n - 1)
+    rest = mx.maximum(target_probs[at] - draft_probs[at], 0.0) * (accepted < n)
+    return accepted, _draw_next(rest, target_probs[accepted], k_fix)
+
+
+def greedy_acceptance_batch(
+    blocks: mx.array,  # [N, L] int32: each an anchor, its drafts, then padding
+    logits: list[mx.array],  # each block's target logits [w_n, V]
+    widths: list[int],  # each block's real rows w_n
+) -> tuple[mx.array, mx.array]:
+    """`greedy_acceptance` of N blocks in one graph: (accepted counts [N], bonus tokens [N]),
+    int32. Each row's pick is the one its block alone gets (`greedy_tokens` is row-wise)."""
+    N, L = blocks.shape
+    rows = mx.concatenate(logits) if len(logits) > 1 else logits[0]  # [sum w_n, V]
+    picks = greedy_tokens(rows).astype(mx.int32)
+    w = np.array(widths)[:, None]
+    cols = np.arange(L)[None]
+    first = np.cumsum([0] + list(widths[:-1]))[:, None]
+    # row n's picks laid out as its block, the last one repeated over the padding
+    picks = picks[mx.array(first + np.minimum(cols, w - 1))]  # [N, L]
+    is_draft = mx.array(cols[:, :-1] < w - 1)  # [N, L-1]
+    match = ((blocks[:, 1:] == picks[:, :-1]) & is_draft).astype(mx.int32)
+    run = mx.cumprod(match, axis=1).sum(axis=1)  # [N]
+    return run, mx.take_along_axis(picks, run[:, None], axis=1)[:, 0]
+
+
 def _next_token(residual: mx.array | None, p: mx.array, key: mx.array) -> int:
     """The token after the accepted drafts: from normalize(`residual`) [V] after a rejection,
     else (every draft accepted: the bonus) from `p`, the target's distribution there; also
@@ -160,10 +203,19 @@ def accept_block(
     key: mx.array,
 ) -> tuple[int, int]:
     """Block verification -> (accepted count, bonus/recovered token)."""
+    accepted, token = block_rule_acceptance(drafts, draft_probs, target_probs, key)
+    mx.eval(accepted, token)
+    return int(accepted.item()), int(token.item())
+
+
+def block_rule_acceptance(
+    drafts: mx.array, draft_probs: mx.array, target_probs: mx.array, key: mx.array
+) -> tuple[mx.array, mx.array]:
+    """`accept_block` unevaluated: (accepted count [], next token [])."""
     n = drafts.shape[0]
     k_accept, k_fix = mx.random.split(key)
     if n == 0:
-        return 0, _next_token(None, target_probs[0], k_fix)
+        return mx.array(0, mx.int32), _draw_next(None, target_probs[0], k_fix)
     h, residual = block_acceptance(drafts, draft_probs, target_probs)
     u = mx.random.uniform(shape=(n,), key=k_accept)
     accepted = mx.where(u < h[1:], mx.arange(1, n + 1), 0).max()
@@ -171,9 +223,7 @@ def accept_block(
     # residual[accepted], or, all n kept, from p[n], which `_next_token` takes for a residual
     # of no mass (the row times 0: zeros, the same values as no residual)
     rest = residual[mx.minimum(accepted, n - 1)] * (accepted < n)
-    token = _draw_next(rest, target_probs[accepted], k_fix)
-    mx.eval(accepted, token)
-    return int(accepted.item()), int(token.item())
+    return accepted, _draw_next(rest, target_probs[accepted], k_fix)
 
 
 def acceptance_length(accepted: int, rounds: int) -> float | None:
