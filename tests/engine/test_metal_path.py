@@ -153,6 +153,15 @@ class KnowingDecoder(BatchDecoder):
         self._at = (seq.seq_id, cache_offset(seq.cache))
         return super()._propose(seq, hidden, logits, params, key)
 
+    def _draft_batch(self, seqs, keys):
+        # a shared round selects all greedy drafts in one pass: script each sequence's after it
+        out = super()._draft_batch(seqs, keys)
+        for n, seq in enumerate(seqs):
+            if out[n] is not None and seq.sampling.greedy:
+                self._at = (seq.seq_id, cache_offset(seq.cache))
+                out[n] = (self._greedy_drafts(None, None, None), None)
+        return out
+
     def _draft_next(self, seq, drafts, verified):
         self._at = (seq.seq_id, verified[2].start)
         return super()._draft_next(seq, drafts, verified)
