@@ -334,8 +334,9 @@ class ServeSettings:
     cache: CacheSettings
     max_active: int = var("SANCTUM_MAX_ACTIVE", 8, int)  # requests interleaved round by round
     max_queue: int = var("SANCTUM_MAX_QUEUE", 64, int)  # may wait more; then RESOURCE_EXHAUSTED
-    # open requests whose rounds share one drafter and one target forward (1: one at a time)
-    max_batch: int = var("SANCTUM_MAX_BATCH", 1, int)
+    # open requests whose rounds share one drafter and one target forward (1: one at a time;
+    # None: max_active, every open request in one shared round)
+    max_batch: int | None = var("SANCTUM_MAX_BATCH", None, int)
     # 1: a sequence whose drafts keep failing drafts smaller blocks (DecodePolicy.adaptive)
     adaptive_width: int = var("SANCTUM_ADAPTIVE_WIDTH", 0, int)
     # how sampled drafts are accepted: block verification or the token rule (engine/decode/sampling.py)
@@ -414,6 +415,12 @@ def serve_settings(
     )
     if s.transport not in TRANSPORTS:
         raise ValueError(f"transport must be auto, shm or object_store, got {s.transport!r}")
+    if s.max_batch is None:  # shared rounds by default: never slower than one at a time
+        s = replace(s, max_batch=s.max_active)
+    elif s.max_batch < 1:
+        raise ValueError(
+            f"SANCTUM_MAX_BATCH must be >= 1 (1: one request at a time), got {s.max_batch}"
+        )
     if s.min_tau != "auto":
         try:
             ok = float(s.min_tau) >= 0

@@ -42,7 +42,7 @@ def register(sub) -> None:
         "--max-batch",
         type=int,
         help="decoding requests whose rounds share one drafter and one target forward "
-        "(SANCTUM_MAX_BATCH, default 1: one request's round at a time)",
+        "(SANCTUM_MAX_BATCH, default: --max-active, all open requests; 1: one at a time)",
     )
     s.add_argument(
         "--transport",

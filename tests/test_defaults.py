@@ -1,5 +1,6 @@
-"""The default model: the shipped trained pair, or else a tiny random pair made on first use."""
+"""Defaults a user gets without configuring anything: the model, and shared rounds."""
 
+import pytest
 from sanctum import settings
 from sanctum.serving.inline import load_models
 
@@ -17,3 +18,17 @@ def test_without_a_shipped_pair_loading_makes_the_tiny_pair_once(tmp_path, monke
     made = (tmp_path / "home" / "tiny" / "target" / "config.json").stat().st_mtime_ns
     load_models(e)  # made once: a second load finds it
     assert (tmp_path / "home" / "tiny" / "target" / "config.json").stat().st_mtime_ns == made
+
+
+def test_shared_rounds_are_on_by_default(monkeypatch):
+    """Every open request shares each round unless SANCTUM_MAX_BATCH (or --max-batch) says
+    otherwise; 1 is one request's round at a time, below 1 an error naming the variable."""
+    for name in ("SANCTUM_MAX_BATCH", "SANCTUM_MAX_ACTIVE"):
+        monkeypatch.delenv(name, raising=False)
+    assert settings.serve_settings().max_batch == settings.serve_settings().max_active == 8
+    assert settings.serve_settings(max_active=3).max_batch == 3
+    monkeypatch.setenv("SANCTUM_MAX_BATCH", "1")
+    assert settings.serve_settings().max_batch == 1
+    monkeypatch.setenv("SANCTUM_MAX_BATCH", "0")
+    with pytest.raises(ValueError, match="SANCTUM_MAX_BATCH"):
+        settings.serve_settings()
