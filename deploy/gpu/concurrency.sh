@@ -12,6 +12,8 @@
 #   seed-steady  bench batch --steady at 1,4,8 on it: round ms, tok/s vs one, the phases, the
 #                op counts (COUNT), every output judged against plain greedy (near-tie verdicts)
 #   default-served  bench batch --concurrency 1,4,8 --warm on the default pair, served inline
+#   default-gaps  bench gaps --warm on the default pair: a running stream's worst gap as streams
+#                2..8 join, and the running streams' worst gap while a ~4K prompt is prefilled
 #   seed-trace   bench round-trace at 1,4,8 on it: each piece of a round timed and op-counted
 #   default-steady  the same as seed-steady on the default pair
 # MLX builds its CUDA kernels at first use (~150 s on a fresh machine), kept under
@@ -34,9 +36,11 @@ export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/.cache/sanctum/cuda-ptx}
 if [ "${QUICK:-0}" = 1 ]; then
   seed_args=(--scale small --layers "${SEED_LAYERS:-2}")
   rounds=${ROUNDS:-2} warm=${WARM:-1} phases=1 count=${COUNT:-1} passes=1 tokens=16
+  gaps=(--max-tokens 64 --join-tokens 16 --long-tokens 1024)
 else
   seed_args=(--scale seed --layers "${SEED_LAYERS:-64}")
   rounds=${ROUNDS:-8} warm=${WARM:-4} phases=4 count=${COUNT:-0} passes=2 tokens=64
+  gaps=()
 fi
 bench=("$py" -m sanctum.cli bench)
 # each JSON line of stdin, tagged with its step, appended to $lines
@@ -80,6 +84,7 @@ if [ -n "$pair" ]; then
   step seed-steady 330 "${bench[@]}" batch --model "$target" --drafter "$drafter" "${steady[@]}"
 fi
 step default-served 90 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --json
+step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"
 if [ -n "$pair" ]; then
   step seed-trace 150 "${bench[@]}" round-trace --model "$target" --drafter "$drafter" \
     --passes "$passes" --warm-rounds "$warm" --lines

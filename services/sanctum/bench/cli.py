@@ -43,6 +43,9 @@ def register(sub) -> None:
     from .batch import add_parser as add_batch
 
     add_batch(bsub)
+    from .gaps import add_parser as add_gaps
+
+    add_gaps(bsub)
     from .roundtrace import add_parser as add_round_trace
 
     add_round_trace(bsub)
@@ -114,6 +117,13 @@ def batch(args) -> dict:
     return run(args)
 
 
+def gaps(args) -> dict:
+    """A running stream's worst gap as others join or a long prompt lands (bench/gaps.py)."""
+    from .gaps import run
+
+    return run(args)
+
+
 def round_trace(args) -> dict:
     """A shared round's pieces timed and op-counted by concurrency (bench/roundtrace.py)."""
     from .roundtrace import run
@@ -158,6 +168,7 @@ BENCHES = {
     "abuse": abuse,
     "http": http,
     "batch": batch,
+    "gaps": gaps,
     "round-trace": round_trace,
     "seed": seed,
     "cuda": cuda,
