@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from .agreement import disagreement
 from .sdpa import scaled_dot_product_attention
 
 
@@ -138,13 +139,8 @@ def check_attention(fn, spec, rows=(8, 16), contexts=None, compiled=True):
                 mx.eval(want, results)
             except Exception as exc:  # a kernel that does not build or run on this GPU
                 return f"L={L} C={C}: {exc.__class__.__name__}: {str(exc)[:300]}"
-            scale = mx.abs(want.astype(mx.float32)).max().item() + 1e-6
-            for name, got in results.items():
-                if got.shape != want.shape or got.dtype != want.dtype:
-                    return f"L={L} C={C} {name}: {got.shape} {got.dtype}"
-                err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
-                if not err <= 2e-2 * scale:  # also false for NaN
-                    return f"L={L} C={C} {name}: max error {err:.3g} (scale {scale:.3g})"
+            if (why := disagreement(results, want, 2e-2)) is not None:
+                return f"L={L} C={C} {why}"
     return None
 
 
@@ -170,11 +166,6 @@ def check_conv(fn, hidden: int, kernel: int, group: int, rows=(1, 2, 8, 16), com
                     mx.eval(want, results)
                 except Exception as exc:
                     return f"L={L}: {exc.__class__.__name__}: {str(exc)[:300]}"
-                scale = mx.abs(want.astype(mx.float32)).max().item() + 1e-6
-                for name, got in results.items():
-                    if got.shape != want.shape or got.dtype != want.dtype:
-                        return f"L={L} {name}: {got.shape} {got.dtype}"
-                    err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
-                    if not err <= 1e-2 * scale:
-                        return f"L={L} which={which} {name}: max error {err:.3g}"
+                if (why := disagreement(results, want, 1e-2)) is not None:
+                    return f"L={L} which={which} {why}"
     return None

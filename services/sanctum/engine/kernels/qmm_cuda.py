@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import fused
+from .agreement import disagreement
 
 MAX_ROWS = 16
 WARPS = 8  # warps per thread block, splitting K
@@ -335,13 +336,8 @@ def check(fn=None, shapes=((256, 512), (1024, 1536)), rows=(2, 7, 8, 16, 17, 40,
                 mx.eval(want, results)
             except Exception as exc:  # a kernel that does not build or run on this GPU
                 return f"M={M} N={N} K={K}: {exc.__class__.__name__}: {str(exc)[:300]}"
-            scale = mx.abs(want.astype(mx.float32)).max().item() + 1e-6
-            for name, got in results.items():
-                if got.shape != want.shape or got.dtype != want.dtype:
-                    return f"M={M} {name}: {got.shape} {got.dtype}"
-                err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
-                if not err <= 2e-2 * scale:  # also false for NaN
-                    return f"M={M} N={N} K={K} {name}: max error {err:.3g} (scale {scale:.3g})"
+            if (why := disagreement(results, want, 2e-2)) is not None:
+                return f"M={M} N={N} K={K} {why}"
     return None
 
 
