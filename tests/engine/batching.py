@@ -76,6 +76,13 @@ def run_batch(decoder, target, specs):
         keys[seq_id] = key
         if seq.finished is None:
             seqs.append(seq)
+    return out, step_until_done(decoder, seqs, keys, out)
+
+
+def step_until_done(decoder, seqs, keys: dict, out: dict, on_step=None) -> list[int]:
+    """Every open sequence steps in one `step_batch` per round (each with the next split of its
+    own key), its tokens added to `out[seq_id]`, leaving the batch when it finishes; `on_step`
+    sees every step. Returns the batch widths seen."""
     widths = []
     while seqs:
         subs = []
@@ -85,8 +92,10 @@ def run_batch(decoder, target, specs):
         widths.append(len(seqs))
         for seq, step in zip(seqs, decoder.step_batch(seqs, subs)):
             out[seq.seq_id] += step.tokens
+            if on_step is not None:
+                on_step(step)
             assert cache_offset(seq.cache) == len(seq.cached_tokens)
         for seq in [s for s in seqs if s.finished is not None]:
             decoder.close(seq)
         seqs = [s for s in seqs if s.finished is None]
-    return out, widths
+    return widths

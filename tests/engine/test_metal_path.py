@@ -14,6 +14,7 @@ from collections import Counter
 
 import mlx.core as mx
 import pytest
+from batching import step_until_done
 from mlx_lm.models.cache import make_prompt_cache
 from sanctum import settings
 from sanctum.cache.store import PromptStore
@@ -272,20 +273,8 @@ def test_shared_round_equals_each_alone(on_path, branches):
         keys[seq_id], sub = mx.random.split(make_key(0))
         got[seq_id] = list(decoder.start(seq, logits, sub).tokens)
         seqs.append(seq)
-    widths, accepted = [], set()
-    while seqs:
-        subs = []
-        for seq in seqs:
-            keys[seq.seq_id], sub = mx.random.split(keys[seq.seq_id])
-            subs.append(sub)
-        widths.append(len(seqs))
-        for seq, step in zip(seqs, decoder.step_batch(seqs, subs)):
-            got[seq.seq_id] += step.tokens
-            accepted.add(step.stats.accepted)
-            assert cache_offset(seq.cache) == len(seq.cached_tokens)
-        for seq in [s for s in seqs if s.finished is not None]:
-            decoder.close(seq)
-        seqs = [s for s in seqs if s.finished is None]
+    accepted = set()
+    widths = step_until_done(decoder, seqs, keys, got, lambda s: accepted.add(s.stats.accepted))
     assert max(widths) == 4 and min(widths) < 4
     assert set(range(drafter.block_size)) <= accepted
     # the shared rounds so far (they do not draft ahead): the path's verify and rollback
