@@ -25,11 +25,15 @@ def decay_exp(x: mx.array) -> mx.array:
 
 def state_after(state_in, k, decay, v_new, rows: int) -> mx.array:
     """State after the first `rows` rows of a one-chunk pass, from that pass's intermediates:
-    the chunk-end update of `chunked_gated_delta` with the chunk cut at `rows`."""
+    the chunk-end update of `chunked_gated_delta` with the chunk cut at `rows`. The rows past
+    it weigh exactly 0 in a product over all the chunk's rows, as in `states_after`: a BLAS
+    may sum K=rows and K=chunk terms in different orders (OpenBLAS on some CPUs does), and a
+    sequence's rollback must be the same bits alone and in a shared round."""
     last = decay[..., rows - 1 : rows]  # [B, H, 1]
     S = state_in.astype(mx.float32).swapaxes(-1, -2)  # [B, H, Dk, Dv]
-    kd = k[:, :, :rows] * decay_exp(last - decay[..., :rows])[..., None]
-    S = S * decay_exp(last)[..., None] + kd.swapaxes(-1, -2) @ v_new[:, :, :rows]
+    weigh = mx.arange(decay.shape[-1]) < rows  # [C]
+    kd = k * mx.where(weigh, decay_exp(last - decay), 0.0)[..., None]
+    S = S * decay_exp(last)[..., None] + kd.swapaxes(-1, -2) @ v_new
     return S.swapaxes(-1, -2)
 
 
@@ -37,8 +41,8 @@ def states_after(state_in, k, decay, v_new, last, weigh, kept) -> mx.array:
     """`state_after` of each sequence n of a one-chunk pass at its own number of kept rows, in
     one pass: `last` [N, H, 1] the index of its last kept row, `weigh` [N, 1, C] its kept
     rows, `kept` [N, 1, 1, 1] whether it keeps any (else: the state before the pass). The rows
-    past a keep weigh exactly 0, and a product's sum over those trailing zeros is the sum over
-    the kept rows alone (the same BLAS kernel, the same order)."""
+    past a keep weigh exactly 0, in the same product over all C rows as `state_after`'s, so
+    each sequence's state is the bits `state_after` gives it alone."""
     last = mx.take_along_axis(decay, last, axis=-1)  # [N, H, 1]
     S = state_in.astype(mx.float32).swapaxes(-1, -2)  # [N, H, Dk, Dv]
     kd = k * mx.where(weigh, decay_exp(last - decay), 0.0)[..., None]
