@@ -337,6 +337,9 @@ class ServeSettings:
     # open requests whose rounds share one drafter and one target forward (1: one at a time;
     # None: max_active, every open request in one shared round)
     max_batch: int | None = var("SANCTUM_MAX_BATCH", None, int)
+    # 1: run shared rounds at every batch size up to max_batch once at load, so a stream
+    # joining later does not stall the running ones while that size's graphs are built
+    warm_shared: int = var("SANCTUM_WARM_SHARED", 1, int)
     # 1: a sequence whose drafts keep failing drafts smaller blocks (DecodePolicy.adaptive)
     adaptive_width: int = var("SANCTUM_ADAPTIVE_WIDTH", 0, int)
     # how sampled drafts are accepted: block verification or the token rule (engine/decode/sampling.py)

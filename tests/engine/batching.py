@@ -82,18 +82,21 @@ def run_batch(decoder, target, specs):
 def step_until_done(decoder, seqs, keys: dict, out: dict, on_step=None) -> list[int]:
     """Every open sequence steps in one `step_batch` per round (each with the next split of its
     own key), its tokens added to `out[seq_id]`, leaving the batch when it finishes; `on_step`
-    sees every step. Returns the batch widths seen."""
+    sees every (sequence, step). Returns the batch widths seen."""
     widths = []
     while seqs:
-        subs = []
+        subs, nexts = [], []
         for seq in seqs:
-            keys[seq.seq_id], sub = mx.random.split(keys[seq.seq_id])
+            key, sub = mx.random.split(keys[seq.seq_id])
+            nexts.append(key)
             subs.append(sub)
         widths.append(len(seqs))
-        for seq, step in zip(seqs, decoder.step_batch(seqs, subs)):
+        for seq, step, key in zip(seqs, decoder.step_batch(seqs, subs), nexts):
+            if seq.tail is None:  # (a prompt tail going on splits the same key next round)
+                keys[seq.seq_id] = key
             out[seq.seq_id] += step.tokens
             if on_step is not None:
-                on_step(step)
+                on_step(seq, step)
             assert cache_offset(seq.cache) == len(seq.cached_tokens)
         for seq in [s for s in seqs if s.finished is not None]:
             decoder.close(seq)

@@ -8,10 +8,11 @@ import itertools
 
 import mlx.core as mx
 import pytest
-from batching import ADAPTIVE, PROMPTS, ScriptedBatchDecoder, run_batch, solo
+from batching import ADAPTIVE, PROMPTS, ScriptedBatchDecoder, run_batch, solo, step_until_done
 from helpers import NO_GATE
 from sanctum.engine.decode import rounds
 from sanctum.engine.decode.batch import verify_batch
+from sanctum.engine.decode.generate import make_key
 from sanctum.engine.decode.peer import LocalDraftPeer
 from sanctum.engine.decode.rounds import BatchDecoder
 from sanctum.engine.decode.sampling import SamplingParams
@@ -395,3 +396,95 @@ def test_bench_batch_steady_times_shared_rounds_and_checks_them_against_plain(
     assert out["levels"][0]["tok_s_vs_one"] == 1.0
     assert main([*argv, "--cluster"]) != 0  # refused, naming the flag
     assert "--cluster" in capsys.readouterr().err
+
+
+def test_warm_runs_each_batch_size_once_and_leaves_the_decoder_as_it_was(make_pair):
+    """A server's warm-up at load: shared rounds at every size it will serve, on throwaway
+    sequences that are all closed after (nothing left open on the drafter), and the decoder
+    then serves a batch exactly as alone."""
+    target, drafter = load_pair(make_pair, "hybrid", "dflash")
+    peer = LocalDraftPeer(drafter)
+    decoder = BatchDecoder(target, drafter, peer)
+    traced = []
+    real = rounds.verify_batch
+    rounds.verify_batch = lambda t, blocks, *a, **k: (
+        traced.append(blocks.shape[0]) or real(t, blocks, *a, **k)
+    )
+    try:
+        spent = decoder.warm([1, 3, 2])
+    finally:
+        rounds.verify_batch = real
+    assert sorted(spent) == [2, 3] and all(s > 0 for s in spent.values())
+    assert sorted(set(traced)) == [2, 3]  # shared forwards of each size, none of one
+    assert peer.caches == {}
+    specs = [(f"s{i}", p, 12, "fp16", (), None) for i, p in enumerate(PROMPTS[:3])]
+    got, _ = run_batch(decoder, target, specs)
+    for i, p in enumerate(PROMPTS[:3]):
+        assert got[f"s{i}"] == solo(target, drafter, p, 12), f"sequence {i}"
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "next"])
+def test_prompt_tails_ride_shared_rounds_and_decode_as_alone(make_pair, kind):
+    """Newcomers join running sequences with their prompts' last tokens left to their first
+    rounds (`Decoder.ride`): the tails run in the rounds' one target forward (no forward of
+    their own), a block's rows a round (a longer tail over several rounds, committing nothing
+    until it ends), their first tokens come from their last rows, and every sequence, the
+    newcomers' seeded sample and 8-bit KV included, decodes exactly as alone."""
+    target, drafter = load_pair(make_pair, kind, "dflash2")
+    decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
+    L = decoder.block_size
+    sampled = SamplingParams(temperature=0.8, seed=5)
+    running = [("r0", PROMPTS[0], 40, "fp16"), ("r1", PROMPTS[3], 40, "q8")]
+    joining = [  # (seq_id, prompt, tokens, kv, sampling, tail length)
+        ("j0", PROMPTS[2], 20, "fp16", None, 5),
+        ("j1", PROMPTS[1], 20, "q8", sampled, 100),  # the whole prompt
+        ("j2", PROMPTS[2] + "        pass", 20, "fp16", None, 3 * L - 2),  # three rounds
+    ]
+    out, keys, seqs = {}, {}, []
+    for seq_id, prompt, n, kv in running:
+        seq = decoder.new_sequence(seq_id, kv, SamplingParams(), n)
+        keys[seq_id], sub = mx.random.split(make_key(None))
+        out[seq_id] = list(
+            decoder.start(seq, decoder.prefill(seq, encode(target, prompt)), sub).tokens
+        )
+        seqs.append(seq)
+    for seq_id, prompt, n, kv, sampling, tail in joining:
+        ids = encode(target, prompt)
+        seq = decoder.new_sequence(seq_id, kv, sampling or SamplingParams(), n)
+        cut = max(0, len(ids) - tail)
+        if cut:
+            decoder.prefill(seq, ids[:cut], final=False)
+        decoder.ride(seq, ids[cut:])
+        keys[seq_id] = make_key(sampling.seed if sampling else None)
+        out[seq_id] = []
+        seqs.append(seq)
+    forwards, firsts = [], {}  # each shared forward's [N, L]; the round of each first token
+    real = rounds.verify_batch
+    rounds.verify_batch = lambda t, blocks, *a, **k: (
+        forwards.append(blocks.shape) or real(t, blocks, *a, **k)
+    )
+    real_prefill, decoder.prefill = decoder.prefill, None  # none may run
+    try:
+        step_until_done(
+            decoder,
+            seqs,
+            keys,
+            out,
+            on_step=lambda seq, step: (
+                firsts.setdefault(seq.seq_id, len(forwards))
+                if step.tokens and seq.seq_id[0] == "j"
+                else None
+            ),
+        )
+    finally:
+        rounds.verify_batch, decoder.prefill = real, real_prefill
+    assert forwards[0] == (5, L)  # every tail in the first round's forward, none wider
+    assert firsts == {"j0": 1, "j1": 1, "j2": 3}
+    for seq_id, prompt, n, kv in running:
+        assert out[seq_id] == solo(target, drafter, prompt, n, kv), seq_id
+    for seq_id, prompt, n, kv, sampling, _ in joining:
+        assert out[seq_id] == solo(target, drafter, prompt, n, kv, sampling=sampling), seq_id
+
+
+def encode(target, prompt: str) -> list[int]:
+    return target.tokenizer.encode(prompt)

@@ -274,7 +274,7 @@ def test_shared_round_equals_each_alone(on_path, branches):
         got[seq_id] = list(decoder.start(seq, logits, sub).tokens)
         seqs.append(seq)
     accepted = set()
-    widths = step_until_done(decoder, seqs, keys, got, lambda s: accepted.add(s.stats.accepted))
+    widths = step_until_done(decoder, seqs, keys, got, lambda _, s: accepted.add(s.stats.accepted))
     assert max(widths) == 4 and min(widths) < 4
     assert set(range(drafter.block_size)) <= accepted
     # the shared rounds so far (they do not draft ahead): the path's verify and rollback

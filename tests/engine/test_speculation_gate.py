@@ -89,10 +89,10 @@ def test_speculation_gate_in_a_batch_equals_alone(make_pair, greedy_gate, sample
         plain_steps(seqs, keys, idx, steps),
     )
     verify_all = d._verify_all
-    d._verify_all = lambda drafted, draft_s, steps, gated: (
+    d._verify_all = lambda drafted, draft_s, steps, gated, riders=(): (
         joined.append(len(gated)),
         gated_drafting.extend(seq.seq_id for _, seq, *_ in drafted if seq.seq_id in gated_now),
-        verify_all(drafted, draft_s, steps, gated),
+        verify_all(drafted, draft_s, steps, gated, riders),
     )
     got, _ = run_batch(d, target, specs)
     assert any(tripped)

@@ -120,9 +120,9 @@ def test_long_prompt_prefills_in_slices_between_rounds(pair, engine):
         log = []  # what the worker thread did, in order
         prefill_some, step = verifier.prefill_some, verifier.step
 
-        def logged_prefill(act, budget=None):
+        def logged_prefill(act, budget=None, ride=0):
             log.append(("prefill", act.req.request_id))
-            return prefill_some(act, budget)
+            return prefill_some(act, budget, ride)
 
         def logged_step(act):
             log.append(("round", act.req.request_id))
@@ -142,6 +142,47 @@ def test_long_prompt_prefills_in_slices_between_rounds(pair, engine):
         assert between.count(("round", "a")) >= len(slices) - 1  # a round after every slice
         assert [t for c in first + rest for t in c.token_ids] == reference(PROMPTS[3], 200)
         assert [t for c in long_out for t in c.token_ids] == reference(long_prompt, 8)
+    finally:
+        backend.close()
+
+
+def test_a_short_prompt_joining_shared_rounds_rides_them_without_a_prefill(pair, engine):
+    """A request arriving while another decodes in shared rounds runs its short prompt inside
+    those rounds' target forwards (a block's rows a round), never in a prefill of its own
+    between two of the running stream's rounds; its first chunk comes from a round, with its
+    time to first token, and both outputs are the engine's own. A prompt cache entry is only
+    saved for a prompt read to its end."""
+    from sanctum.serving.inline import InlineBackend, RoundDelay
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.serving.scheduler import RIDE_ROUNDS
+    from sanctum.settings import serve_settings
+
+    _, _, reference = engine
+    backend = InlineBackend(
+        serve_settings(pair[0], pair[1], cache_dir="none", max_active=2, env=NO_GATE),
+        RoundDelay(0.01),
+    )
+    try:
+        backend.ready(60)
+        sched, verifier = backend.scheduler, backend.scheduler.verifier
+        assert sched.max_batch == 2 and verifier.ride_width > 1
+        prefilled = []  # the request of each prefill forward that ran
+        decoder = verifier.decoder
+        real = decoder.prefill
+        decoder.prefill = lambda seq, *a, **k: prefilled.append(seq.seq_id) or real(seq, *a, **k)
+        first = sched.submit(GenerateRequest(prompt=PROMPTS[3], max_tokens=120, request_id="a"))
+        stream = iter(first)
+        head = [next(stream), next(stream)]
+        prompt = "def area(w, h):\n    return w * h\n\nclass Box:\n"
+        n = len(engine[0].tokenizer.encode(prompt))
+        assert verifier.ride_width < n <= RIDE_ROUNDS * verifier.ride_width  # over two rounds
+        other = sched.submit(GenerateRequest(prompt=prompt, max_tokens=16, request_id="b"))
+        joined = list(other)
+        rest = list(stream)
+        assert prefilled == ["a"]
+        assert joined[0].token_ids and joined[-1].usage.ttft_s > 0
+        assert [t for c in joined for t in c.token_ids] == reference(prompt, 16)
+        assert [t for c in head + rest for t in c.token_ids] == reference(PROMPTS[3], 120)
     finally:
         backend.close()
 

@@ -16,6 +16,7 @@ import json
 import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 
 from .batch import PROMPTS, _serve
@@ -169,6 +170,7 @@ def joining(backend, requests: list, args) -> tuple[dict, dict]:
     ]
     median_before, median_shared = _median(before), _median(shared)
     worst = max(gaps) if gaps else None
+    worst_work = _work_in(backend, worst_join)
     figures = {
         "scenario": "joining",
         "streams": len(streams),
@@ -187,6 +189,7 @@ def joining(backend, requests: list, args) -> tuple[dict, dict]:
         "worst_joining_vs_median_before": _ratio(worst_join, median_before),
         "worst_joining_vs_median_shared": _ratio(worst_join, median_shared),
         "worst_vs_median_before": _ratio(worst, median_before),
+        "worst_joining_work": worst_work,
         "gaps_ms_joining": [
             _ms(max((g for g, e in gaps if lo < e <= hi), default=None)) for lo, hi in windows
         ],
@@ -214,6 +217,7 @@ def long_prompt(backend, requests: list, args) -> tuple[dict, dict]:
         during += [(g, e) for g, e in gaps if lo < e <= hi]
     median_before = _median(before)
     worst = max(during) if during else None
+    worst_work = _work_in(backend, worst)
     figures = {
         "scenario": "long_prompt",
         "running": len(running),
@@ -222,10 +226,30 @@ def long_prompt(backend, requests: list, args) -> tuple[dict, dict]:
         "median_gap_ms_before": _ms(median_before),
         "worst_gap_ms_during_prefill": _ms(worst[0]) if worst else None,
         "worst_vs_median_before": _ratio(worst, median_before),
+        "worst_gap_work": worst_work,
         "long_ttft_ms": _ms(long.times[0] - long.submitted),
         "long_ttft_ms_server": _ms(long.usage.ttft_s) if long.usage else None,
     }
     return figures, {i: s.tokens for i, s in enumerate([*running, long])}
+
+
+def _work_in(backend, gap: tuple[float, float] | None) -> list | None:
+    """What the server's worker did inside `gap` (seconds, end time): each piece that overlaps
+    it, in order, as [kind, detail, ms inside the gap] (kind: open, prefill (request, prompt
+    tokens left before the slice), round (requests in it)); the rest of the gap is the time
+    between pieces (handing chunks out, the worker's own loop)."""
+    log = getattr(getattr(backend, "scheduler", None), "work_log", None)
+    if gap is None or log is None:
+        return None
+    hi = gap[1]
+    lo = hi - gap[0]
+    out = []
+    for t0, t1, kind, detail in list(log):
+        inside = min(t1, hi) - max(t0, lo)
+        if inside > 0:
+            detail = list(detail) if isinstance(detail, tuple) else detail
+            out.append([kind, detail, _ms(inside)])
+    return out
 
 
 def _ratio(worst: tuple[float, float] | None, median: float | None) -> float | None:
@@ -267,6 +291,7 @@ def run(args) -> dict:
 
     try:
         backend.ready(300)
+        backend.scheduler.work_log = deque(maxlen=1 << 16)
         target = backend.verifier.target
         fits = args.long_tokens + args.long_max_tokens
         if fits > target.max_context:

@@ -42,6 +42,10 @@ log = logging.getLogger("sanctum.scheduler")
 PREFILL_SLICE = 512
 PREFILL_SLICE_S = 0.25
 MIN_PREFILL_SLICE = 64  # a forward has a fixed cost too: fewer tokens would mostly pay that
+# A prompt of at most this many drafted blocks' tokens, arriving while others decode in shared
+# rounds, rides in their rounds whole (a block's rows a round) instead of a prefill between
+# them: its first token comes a round or two later, the others' streams never pause for it.
+RIDE_ROUNDS = 4
 # Threads that prepare requests (the tokenizer releases the GIL): two, so one huge prompt
 # being tokenized does not hold up every other request's admission.
 PREPARE_THREADS = 2
@@ -133,6 +137,9 @@ class Scheduler:
         self._accepting = True
         self._stopped = False
         self.counters = {"cancelled": 0, "rejected": 0, "failed": 0, "finished": 0}
+        # when set (a deque, by a bench): one (start, end, kind, detail) per piece of the
+        # worker's work, on the monotonic clock, to say what filled a stream's gap
+        self.work_log: deque | None = None
         self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="sanctum-prep")
         self._mlx = MlxThread(load, lambda _: self._loop(), "sanctum-mlx", "the models")
 
@@ -272,20 +279,24 @@ class Scheduler:
                     admit.append(self._waiting.popleft())
                 self._opening.update(t.request_id for t in admit)
             for ticket in admit:
-                self._open(ticket)
+                with self._logged("open", ticket.request_id):
+                    self._open(ticket)
             # one slice of each prompt being prefilled, then one round of each decoding request:
             # a long prompt delays the others' next tokens by a slice, not by all of it
             for request_id in list(self._prefilling):
                 self._reap_cancelled()
                 if request_id in self._prefilling:
-                    self._prefill(request_id)
+                    left = self._prefilling[request_id][0].prompt_left
+                    with self._logged("prefill", (request_id, left)):
+                        self._prefill(request_id)
             if self.max_batch > 1:
                 self._rounds_batched()
                 continue
             for request_id in list(self._active):
                 self._reap_cancelled()
                 if request_id in self._active:
-                    self._round(request_id)
+                    with self._logged("round", 1):
+                        self._round(request_id)
 
     def _rounds_batched(self) -> None:
         """One round of every decoding request, up to `max_batch` of them in each shared
@@ -295,9 +306,23 @@ class Scheduler:
             self._reap_cancelled()
             group = [r for r in ids[g : g + self.max_batch] if r in self._active]
             if len(group) == 1:
-                self._round(group[0])
+                with self._logged("round", 1):
+                    self._round(group[0])
             elif group:
-                self._round_batch(group)
+                with self._logged("round", len(group)):
+                    self._round_batch(group)
+
+    @contextlib.contextmanager
+    def _logged(self, kind: str, detail):
+        """Time a piece of the worker's work into `work_log`, when one is set."""
+        if self.work_log is None:
+            yield
+            return
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.work_log.append((t0, time.monotonic(), kind, detail))
 
     def _finish(self, request_id: str, ticket: Ticket, item=END) -> None:
         with self._cv:
@@ -365,16 +390,28 @@ class Scheduler:
     def _prefill(self, request_id: str) -> None:
         act, ticket = self._prefilling[request_id]
         budget = self._slice(request_id)
-        tokens = min(budget, act.prompt_left)
+        left = act.prompt_left
+        # while other requests decode in shared rounds, the prompt's last tokens ride in their
+        # forwards (none of their own between two of the others' rounds): a short prompt
+        # (RIDE_ROUNDS blocks) all of it, a round's block at a time; a longer one its last block
+        ride = 0
+        if self.max_batch > 1 and self._active:
+            ride = self.verifier.ride_width
+            ride = left if left <= RIDE_ROUNDS * ride else ride
         t0 = time.perf_counter()
         try:
-            chunk = self.verifier.prefill_some(act, budget)
+            chunk = self.verifier.prefill_some(act, budget, ride)
         except Exception as exc:
             return self._fail(request_id, act, ticket, exc, "in prefill")
+        tokens = left - act.prompt_left
         if tokens > 0:
             cost = (time.perf_counter() - t0) / tokens
             self._token_cost[request_id] = self._last_token_cost = cost
         if chunk is None:
+            if act.riding:  # its first chunk comes from its first round
+                with self._cv:
+                    self._active[request_id] = (act, ticket)
+                    self._prefilling.pop(request_id, None)
             return  # more of the prompt next time round
         ticket.items.put(chunk)
         if act.finished:
@@ -404,7 +441,11 @@ class Scheduler:
         for request_id, (act, ticket), chunk in zip(request_ids, entries, chunks):
             self._after_round(request_id, act, ticket, chunk)
 
-    def _after_round(self, request_id: str, act: Active, ticket: Ticket, chunk: Chunk) -> None:
+    def _after_round(
+        self, request_id: str, act: Active, ticket: Ticket, chunk: Chunk | None
+    ) -> None:
+        if chunk is None:  # a prompt tail riding in shared rounds: its first chunk comes later
+            return
         ticket.items.put(chunk)
         if act.finished:
             self._close(act)

@@ -125,8 +125,14 @@ class Active:
 
     @property
     def prompt_left(self) -> int:
-        """Prompt tokens still to prefill."""
+        """Prompt tokens still to prefill (a riding tail's too)."""
         return len(self.prepared.prompt_ids) - len(self.seq.cached_tokens)
+
+    @property
+    def riding(self) -> bool:
+        """Its prompt's tail waits to run in its first round (`Verifier.prefill_some`'s
+        `ride`): it takes rounds, and its first chunk comes from the first."""
+        return self.seq.tail is not None
 
 
 class Verifier:
@@ -252,41 +258,79 @@ class Verifier:
         self.counters.opened(len(prompt_ids), plan.resumed_at)
         return act
 
-    def prefill_some(self, act: Active, budget: int | None = None) -> Chunk | None:
+    @property
+    def ride_width(self) -> int:
+        """The most prompt tokens a request may leave to its first round (`prefill_some`'s
+        `ride`): a drafted block's rows, so a tail never widens a shared round; 0 when rounds
+        are plain steps."""
+        d = self.decoder
+        return d.block_size if d.peer is not None and d.block_size > 1 else 0
+
+    def prefill_some(self, act: Active, budget: int | None = None, ride: int = 0) -> Chunk | None:
         """Prefill up to `budget` more prompt tokens (None: all); once the prompt is done,
-        commit the first token and return its chunk (None while prompt tokens remain)."""
+        commit the first token and return its chunk (None while prompt tokens remain).
+        `ride`: stop up to that many tokens short of the prompt's end and leave them to the
+        request's first rounds (`Decoder.ride`, `act.riding`; the prompt cache's rungs are
+        captured there as here): a scheduler that runs them in shared rounds saves the other
+        requests a forward; its first chunk comes from `step` or `step_batch`."""
         seq, prompt_ids = act.seq, act.prepared.prompt_ids
-        done = len(seq.cached_tokens)
-        end = len(prompt_ids) if budget is None else min(len(prompt_ids), done + budget)
+        done, n = len(seq.cached_tokens), len(prompt_ids)
+        end = n if budget is None else min(n, done + budget)
 
         def capture(position: int) -> None:  # prefill paused at a rung: its GDN states
             act.captured[position] = self.target.recurrent_state(seq.cache)
 
-        last = end == len(prompt_ids)
+        tail_at = max(n - ride, done) if ride > 0 else n
+        if tail_at < n:
+            end = min(end, tail_at)
+            if end > done:
+                self.decoder.prefill(seq, prompt_ids[done:end], act.stops, capture, False)
+            if end == tail_at:
+                self.decoder.ride(seq, prompt_ids[tail_at:], act.stops, capture)
+            return None
+        last = end == n
         logits = self.decoder.prefill(seq, prompt_ids[done:end], act.stops, capture, last)
         if end < len(prompt_ids):
             return None
         act.key, sub = mx.random.split(act.key)
-        step = self.decoder.start(seq, logits, sub)
-        act.usage.ttft_s = round(time.perf_counter() - act.prepared.started, 6)
-        return self._chunk(act, step)
+        return self._first(act, self.decoder.start(seq, logits, sub))
 
     def step(self, act: Active) -> Chunk:
-        """One round (speculative, or one plain token)."""
+        """One round (speculative, or one plain token; a riding request's tail and first
+        token)."""
         act.key, sub = mx.random.split(act.key)
+        if act.riding:
+            return self._first(act, self.decoder.step(act.seq, sub))
         before = self.decoder.committed_state(act.seq)[0]
         return self._after_step(act, before, self.decoder.step(act.seq, sub))
 
-    def step_batch(self, acts: list[Active]) -> list[Chunk]:
+    def step_batch(self, acts: list[Active]) -> list[Chunk | None]:
         """One round of each request, all in one shared round (BatchDecoder.step_batch): each
-        request's chunk is the one `step` would give it."""
-        subs, befores = [], []
+        request's chunk is the one `step` would give it; None for a riding request whose
+        prompt tail goes on in the next round (its key is then split again there, so its
+        first token is drawn with the key it is drawn with alone)."""
+        keys, subs, befores = [], [], []
         for act in acts:
-            act.key, sub = mx.random.split(act.key)
+            key, sub = mx.random.split(act.key)
+            keys.append(key)
             subs.append(sub)
-            befores.append(self.decoder.committed_state(act.seq)[0])
+            befores.append(None if act.riding else self.decoder.committed_state(act.seq)[0])
         steps = self.decoder.step_batch([act.seq for act in acts], subs)
-        return [self._after_step(a, b, s) for a, b, s in zip(acts, befores, steps)]
+        chunks = []
+        for act, key, before, step in zip(acts, keys, befores, steps):
+            if act.riding:
+                chunks.append(None)
+                continue
+            act.key = key
+            chunks.append(
+                self._first(act, step) if before is None else self._after_step(act, before, step)
+            )
+        return chunks
+
+    def _first(self, act: Active, step) -> Chunk:
+        """The chunk of a request's first token, committed after its prompt."""
+        act.usage.ttft_s = round(time.perf_counter() - act.prepared.started, 6)
+        return self._chunk(act, step)
 
     def _after_step(self, act: Active, before: int, step) -> Chunk:
         if act.watch is not None and not act.watch.done:
@@ -307,6 +351,7 @@ class Verifier:
     def close(self, act: Active, save: bool = True) -> None:
         """Free the sequence; save its cache as a new entry (its state is consistent after any
         finished or cancelled round)."""
+        save = save and not act.riding  # a prompt not read to its end: nothing to save
         self.decoder.close(act.seq)
         if save and self.store is not None and act.req.use_cache and act.seq.cached_tokens:
             try:

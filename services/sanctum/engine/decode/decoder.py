@@ -142,8 +142,24 @@ class Decoder(Drafting):
             seq.ahead = self._queue_step(seq, mx.array([seq.anchor]))
         return step
 
+    def ride(self, seq: Sequence, tokens: list[int], stops: tuple[int, ...] = (), on_stop=None):
+        """Leave the prompt's last `tokens` (after what the cache holds) to the sequence's
+        first rounds: alone, `step` prefills them and starts (as `prefill` + `start` would);
+        in shared rounds they run in the rounds' target forwards beside the others' blocks
+        (BatchDecoder), so a newcomer's short prompt costs the running sequences no forward
+        of its own. `stops`, `on_stop`: as `prefill` takes them (a forward ends at each stop,
+        then `on_stop(position)` sees the cache there)."""
+        if not tokens or seq.anchor is not None:
+            raise ValueError("a tail is the prompt's last tokens, before the first token")
+        seq.tail, seq.tail_stops, seq.on_tail_stop = list(tokens), tuple(stops), on_stop
+
     def step(self, seq: Sequence, key: mx.array) -> Step:
-        """One round: speculative when possible (and not gated), else one plain token."""
+        """One round: speculative when possible (and not gated), else one plain token; for a
+        sequence with a prompt tail (`ride`), its prefill and first token."""
+        if seq.tail is not None:
+            tail, seq.tail = seq.tail, None
+            logits = self.prefill(seq, tail, seq.tail_stops, seq.on_tail_stop)
+            return self.start(seq, logits, key)
         if self.peer is not None and self.block_size > 1:
             if self.take_gated_step(seq):
                 return self._plain_step(seq, key, gated=True)

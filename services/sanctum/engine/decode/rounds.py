@@ -43,8 +43,11 @@ class BatchDecoder(Decoder):
         steps: dict[int, Step] = {}
         groups: dict[int, list[int]] = {}  # width -> indices of the sequences drafting it
         plain = []  # indices of the sequences the speculation gate has step plainly
+        tails = []  # indices of the sequences whose prompt's tail runs now (`Decoder.ride`)
         for i, seq in enumerate(seqs):
-            if self.take_gated_step(seq):
+            if seq.tail is not None:
+                tails.append(i)
+            elif self.take_gated_step(seq):
                 plain.append(i)
             else:
                 groups.setdefault(self.width(seq), []).append(i)
@@ -66,12 +69,46 @@ class BatchDecoder(Decoder):
             mx.async_eval([drafts for _, _, drafts, *_ in drafted])
         if drafted:
             gated = [(i, seqs[i], keys[i]) for i in plain]
-            self._verify_all(drafted, time.perf_counter() - t0, steps, gated)
+            riders = [(i, seqs[i], keys[i]) for i in tails]
+            self._verify_all(drafted, time.perf_counter() - t0, steps, gated, riders)
             for i, seq, *_ in drafted:
                 self._watch(seq, steps[i])
         else:
             self._plain_steps(seqs, keys, plain, steps)
+        for i in tails:  # no drafted block to ride with: its own prefill, as `step` runs it
+            if i not in steps:
+                steps[i] = self.step(seqs[i], keys[i])
         return [steps[i] for i in range(len(seqs))]
+
+    def warm(self, sizes, rounds: int = 2, kv_mode: str = "fp16") -> dict[int, float]:
+        """Shared rounds at each batch size in `sizes` (>= 2) on throwaway greedy sequences of
+        different lengths, then one shared plain step: what a server runs once at load, so that
+        the graphs of each size (compiled layers traced per shape; on a GPU their kernels built)
+        exist before a second, fifth or eighth stream joins, instead of stalling every running
+        stream in that round. Returns seconds per size."""
+        if self.peer is None or self.block_size <= 1:
+            return {}
+        tokenizer = self.target.tokenizer
+        spent = {}
+        for n in sorted({int(n) for n in sizes if int(n) >= 2}):
+            t0 = time.perf_counter()
+            seqs = [
+                self.new_sequence(f"warm-{n}-{i}", kv_mode, max_tokens=1 << 30) for i in range(n)
+            ]
+            keys = [mx.random.key(i) for i in range(n)]
+            try:
+                prompt = tokenizer.encode("def warm(values):\n    return sorted(values)[:8]\n")
+                for i, seq in enumerate(seqs):  # lengths differ: ragged caches, as served
+                    self.start(seq, self.prefill(seq, prompt[: 1 + i % len(prompt)]), keys[i])
+                for _ in range(rounds):
+                    self.step_batch(seqs, keys)
+                self._plain_steps(seqs, keys, list(range(n)), {})
+                mx.synchronize()
+            finally:
+                for seq in seqs:
+                    self.close(seq)
+            spent[n] = time.perf_counter() - t0
+        return spent
 
     @staticmethod
     def _cap_looked_up(drafted: list) -> list:
@@ -123,45 +160,88 @@ class BatchDecoder(Decoder):
                 drafted.append((i, seq, *proposal, k_acc))
         return drafted
 
-    def _verify_all(self, drafted: list, draft_s: float, steps: dict, gated: list) -> None:
+    def _verify_all(
+        self, drafted: list, draft_s: float, steps: dict, gated: list, riders: list = ()
+    ) -> None:
         """Verify every drafted block in one target forward, settle each sequence, then roll
         all of them back together (`Target.rollback_batch`). The `gated` sequences (index,
         seq, key) take their plain steps in the same forward, as blocks of their anchor alone:
         a forward of their own cost a round's fixed part again (on a GPU all its launches),
-        where a block of one row costs its padded rows; the rollback keeps that row."""
+        where a block of one row costs its padded rows; the rollback keeps that row. The
+        `riders` (index, seq, key) run their prompt tails in it, as blocks of those tokens, all
+        kept, each at most as wide as the widest drafted block (no row padded for it; a longer
+        tail goes on in the next rounds, its step committing nothing until it ends): a first
+        token comes from its tail's last row, as `start` takes it."""
         t1 = time.perf_counter()
-        anchors = [seq.anchor for _, seq, *_ in drafted + gated]
-        widths = [1 + drafts.shape[0] for _, _, drafts, *_ in drafted] + [1] * len(gated)
+        riders = list(riders)
+        blocks = [drafts for _, _, drafts, *_ in drafted]
+        widest = 1 + max(block.shape[0] for block in blocks)
+        blocks += [
+            mx.array(seq.tail[1 : _tail_rows(seq, widest)], mx.int32) for _, seq, _ in riders
+        ]
+        extra = riders + gated  # no drafts to accept: a token from each one's last row
+        anchors = [seq.anchor for _, seq, *_ in drafted] + [seq.tail[0] for _, seq, _ in riders]
+        anchors += [seq.anchor for _, seq, _ in gated]
+        widths = [1 + block.shape[0] for block in blocks] + [1] * len(gated)
         L = cuda.verify_width(max(widths), len(widths))
-        padded = assemble_blocks(anchors, [drafts for _, _, drafts, *_ in drafted], L)  # [N, L]
-        caches = [seq.cache for _, seq, *_ in drafted + gated]
+        padded = assemble_blocks(anchors, blocks, L)  # [N, L]
+        caches = [seq.cache for _, seq, *_ in drafted + extra]
+        starts = [cache_offset(c) for c in caches]
         outs, tape = verify_batch(self.target, padded, caches, self.tap_ids, widths)
         if self.policy.profile:
             mx.eval([logits for logits, _, _ in outs])
         t2 = time.perf_counter()
-        reads, tokens = self._accept_all(drafted, gated, padded, outs, widths)
+        reads, tokens = self._accept_all(drafted, extra, padded, outs, widths)
         # the shared phases' wall time, split over the batch (the forward is awaited in the read)
         draft_s, verify_s = draft_s / len(drafted), (time.perf_counter() - t1) / len(widths)
+        extra_outs = outs[len(drafted) :]
         self._deferred = []
         try:
             for (i, seq, drafts, q, k_acc), w, out, read in zip(drafted, widths, outs, reads):
                 stats = RoundStats(w, 0, 0, draft_s, verify_s)
                 stats.looked_up = seq.looked_up
                 steps[i] = self._conclude(seq, None, drafts, q, out, k_acc, stats, None, read)
+            for (i, seq, _), (_, taps, _), token, start, rows in zip(
+                riders, extra_outs, tokens, starts[len(drafted) :], widths[len(drafted) :]
+            ):
+                steps[i] = self._settle_tail(seq, rows, taps, start, token)
             deferred = self._deferred
         finally:
             self._deferred = None
-        for (i, seq, key), (logits, taps, _), token in zip(gated, outs[len(drafted) :], tokens):
+        for (i, seq, key), (logits, taps, _), token in zip(
+            gated, extra_outs[len(riders) :], tokens[len(riders) :]
+        ):
             steps[i] = self._settle_plain(seq, logits, taps, key, t2, True, token)
             steps[i].stats.verify_s = verify_s
         self._prefetch_together(deferred)  # the drafter works while the caches roll back
         settled = [steps[i] for i, *_ in drafted]
         t2 = time.perf_counter()
-        keeps = [len(step.tokens) for step in settled] + [1] * len(gated)  # a plain step's row
+        keeps = [len(step.tokens) for step in settled]  # a block's committed rows; a tail's
+        keeps += [1 + b.shape[0] for b in blocks[len(drafted) :]] + [1] * len(gated)  # all
         self._queue_rollback(self.target.rollback_batch(caches, tape, keeps))
+        for _, seq, _ in riders:  # a stop's callback sees the cache as `prefill` leaves it there
+            if seq.on_tail_stop is not None and len(seq.cached_tokens) in seq.tail_stops:
+                seq.on_tail_stop(len(seq.cached_tokens))
         rollback_s = (time.perf_counter() - t2) / len(widths)
         for step in settled + [steps[i] for i, *_ in gated]:
             step.stats.rollback_s = rollback_s
+
+    def _settle_tail(self, seq: Sequence, rows: int, taps, start: int, token: int) -> Step:
+        """A rider's first `rows` tail tokens after the shared forward (their taps, the cache
+        offset they started at, the token the last row gave): in the cache and the taps, as
+        `prefill` leaves them; once the tail ends, its first token committed, as `start`
+        commits it. Before that, a step of no tokens."""
+        part, rest = seq.tail[:rows], seq.tail[rows:]
+        seq.cached_tokens.extend(part)
+        if self.head is not None:
+            seq.taps.add(taps)
+        if rest:
+            seq.tail = rest
+            return Step([], None)
+        seq.tail = None
+        step = self._commit(seq, [token], None, stats=None)
+        self._prefetch(seq, start + len(part))
+        return step
 
     def _accept_all(self, drafted, gated, blocks, outs, widths) -> tuple[list, list[int]]:
         """The acceptance of every block of a shared round in one evaluation and one host read:
@@ -290,6 +370,14 @@ class BatchDecoder(Decoder):
             if out[n] is None:
                 out[n] = self._propose(seq, hidden[n], logits[n], seq.sampling, key)
         return out
+
+
+def _tail_rows(seq: Sequence, widest: int) -> int:
+    """The rows of `seq`'s prompt tail a shared round runs: at most `widest`, and ending at
+    its next stop."""
+    at = len(seq.cached_tokens)
+    stops = [s - at for s in seq.tail_stops if s > at]
+    return min([len(seq.tail), widest] + stops)
 
 
 def assemble_blocks(anchors: list[int], drafts: list[mx.array], width: int) -> mx.array:

@@ -63,6 +63,11 @@ class Sequence:
     eos_ids: frozenset[int] = frozenset()
     stop_check: StopCheck | None = None  # stop sequences
     anchor: int | None = None  # last committed token, not yet run through the target
+    # the prompt's last tokens, left to run in the sequence's first round (`Decoder.ride`)
+    # instead of a prefill of their own; None once run
+    tail: list[int] | None = None
+    tail_stops: tuple[int, ...] = ()  # positions its tail's forwards end at (`prefill`'s stops)
+    on_tail_stop: Callable[[int], None] | None = None  # called at each, as `prefill` calls it
     completion: list[int] = field(default_factory=list)
     draft_open: bool = False
     finished: str | None = None
