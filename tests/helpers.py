@@ -51,3 +51,20 @@ def free_port() -> int:
             _GIVEN.add(port)
             return port
     raise RuntimeError("no free loopback port between Ray's and the ephemeral range")
+
+
+def assert_greedy_equal(target, prompt_ids, plain: list[int], got: list[int], what="") -> None:
+    """A greedy run `got` (speculative, looked up or shared) against the plain greedy run `plain`
+    of the same prompt and length: token for token on the CPU; on CUDA up to the plain run's
+    first near tie (sanctum/bench/neartie.py), since a verify's kernels round the last bits of
+    a logit differently from a decode step's there and either pick of a near tie is the model's."""
+    from sanctum.engine.kernels.cuda import is_cuda
+
+    if not is_cuda():
+        assert got == plain, what
+        return
+    from sanctum.bench.neartie import near_tie_verdict, top_two_margins
+
+    margins = top_two_margins(target, list(prompt_ids), plain)
+    same, tie, verdict = near_tie_verdict(plain, margins, got)
+    assert verdict != "differs", f"{what}: parts from plain greedy at {same}, first near tie {tie}"

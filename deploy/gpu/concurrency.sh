@@ -16,12 +16,15 @@
 #                2..8 join, and the running streams' worst gap while a ~4K prompt is prefilled
 #   seed-trace   bench round-trace at 1,4,8 on it: each piece of a round timed and op-counted
 #   default-steady  the same as seed-steady on the default pair
+#   cuda-tests   the CUDA tests and the greedy-equality tests judged up to a near tie there
+#                (pytest, which the machine must have: prepare-mlx-cuda.sh can carry it)
 # MLX builds its CUDA kernels at first use (~150 s on a fresh machine), kept under
 # MLX_PTX_CACHE_DIR for later runs. A step starts only while DEADLINE (default 530) seconds
 # have not passed. QUICK=1 shrinks everything (the small seed shape at 2 layers, few rounds):
 # a smoke run on a CPU. Knobs: SEED_LAYERS (default 64: the seed's depth), SEED_DIR, PYTHON,
 # DEADLINE, ROUNDS (timed steady rounds), WARM (untimed rounds), COUNT (rounds with their ops
-# counted; 0 on a GPU by default: the counts do not depend on the device).
+# counted; 0 on a GPU by default: the counts do not depend on the device), STEPS (the steps to
+# run, by name, space-separated; default all: a second call can run what the first did not reach).
 set -uo pipefail
 out=${1:-${OUT:-/tmp/sanctum-concurrency}}
 py=${PYTHON:-python3}
@@ -52,6 +55,7 @@ for line in sys.stdin:
 step() {  # step NAME SECONDS COMMAND...: at most SECONDS (and the deadline)
   local name=$1 limit=$2 t0=$SECONDS rc left
   shift 2
+  case " ${STEPS:-$name} " in *" $name "*) ;; *) return ;; esac
   left=$((deadline - SECONDS))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 20 ]; then
@@ -73,6 +77,8 @@ print(json.dumps({"python": sys.version.split()[0], "mlx": mx.__version__,
                   "device": str(mx.default_device()), "mlx_lm": mlx_lm.__version__}))' \
   | "${tag[@]}" env >> "$lines"
 
+STEPS=${STEPS:-}
+[ -z "$STEPS" ] || case " $STEPS " in *" seed-"*) STEPS="$STEPS build" ;; esac
 step build 300 "${bench[@]}" seed --build-only --json --dir "$seed_dir" "${seed_args[@]}"
 pair=$("$py" -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "\"build\"" in l and "target" in l]
@@ -83,11 +89,15 @@ if [ -n "$pair" ]; then
   read -r target drafter <<< "$pair"
   step seed-steady 330 "${bench[@]}" batch --model "$target" --drafter "$drafter" "${steady[@]}"
 fi
-step default-served 90 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --json
+step default-served 150 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --json
 step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"
 if [ -n "$pair" ]; then
   step seed-trace 150 "${bench[@]}" round-trace --model "$target" --drafter "$drafter" \
     --passes "$passes" --warm-rounds "$warm" --lines
 fi
 step default-steady 120 "${bench[@]}" batch "${steady[@]}"
+cuda_tests=(tests/engine/test_cuda.py tests/engine/test_lookup.py tests/engine/test_batch_rounds.py)
+# (pytest's report is not JSON: it goes to cuda-tests.err)
+step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovider -rf \
+  -k "not cluster and not scheduler" "${cuda_tests[@]}"
 echo "figures: $lines"

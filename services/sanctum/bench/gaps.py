@@ -190,6 +190,7 @@ def joining(backend, requests: list, args) -> tuple[dict, dict]:
         "worst_joining_vs_median_shared": _ratio(worst_join, median_shared),
         "worst_vs_median_before": _ratio(worst, median_before),
         "worst_joining_work": worst_work,
+        "rounds_ms_by_size": _rounds_by_size(backend, first.submitted, first.times[-1]),
         "gaps_ms_joining": [
             _ms(max((g for g, e in gaps if lo < e <= hi), default=None)) for lo, hi in windows
         ],
@@ -250,6 +251,23 @@ def _work_in(backend, gap: tuple[float, float] | None) -> list | None:
             detail = list(detail) if isinstance(detail, tuple) else detail
             out.append([kind, detail, _ms(inside)])
     return out
+
+
+def _rounds_by_size(backend, lo: float, hi: float) -> dict | None:
+    """Rounds the worker ran between `lo` and `hi`, by the requests in them: {size: [the first
+    round's ms, the median of the later ones' (None: no later one), how many]}: a size's first
+    round builds its graphs unless they were built before (SANCTUM_WARM_SHARED)."""
+    log = getattr(getattr(backend, "scheduler", None), "work_log", None)
+    if log is None:
+        return None
+    sizes: dict[int, list[float]] = {}
+    for t0, t1, kind, detail in list(log):
+        if kind == "round" and lo <= t0 and t1 <= hi:
+            sizes.setdefault(detail, []).append(t1 - t0)
+    return {
+        n: [_ms(ms[0]), _ms(statistics.median(ms[1:])) if len(ms) > 1 else None, len(ms)]
+        for n, ms in sorted(sizes.items())
+    }
 
 
 def _ratio(worst: tuple[float, float] | None, median: float | None) -> float | None:
