@@ -41,15 +41,18 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def role_blas_threads(processes: RoleProcesses) -> dict[str, str]:
+def role_blas_threads(processes: RoleProcesses, usable: int | None = None) -> dict[str, str]:
     """BLAS threads per role (the CPU backend). Ray pins OMP_NUM_THREADS to an actor's CPU count
-    (1 for num_cpus=0), so it is set here. Verifier and drafter take turns (the verifier waits on
-    each draft), so each gets what inline mode's one process uses: the CPUs it may run on, as
-    OpenBLAS counts them: a one-thread drafter slows every round (docs/performance.md)."""
-    usable = str(usable_cpus())
+    (1 for num_cpus=0), so it is set here. Verifier and drafter mostly take turns (the verifier
+    waits on each draft), so each gets what inline mode's one process uses, the CPUs it may run
+    on as OpenBLAS counts them (on 4 cores a one-thread drafter slowed every round); but on two
+    CPUs or fewer the drafter takes one: there the drafter's work beside the verifier's (a
+    shared round asks for the next blocks before its rollback) made two threads each slower
+    than one (docs/performance.md)."""
+    usable = usable_cpus() if usable is None else usable
     return {
-        "verifier": processes.verifier_threads or usable,
-        "drafter": processes.drafter_threads or usable,
+        "verifier": processes.verifier_threads or str(usable),
+        "drafter": processes.drafter_threads or str(1 if usable <= 2 else usable),
         "store": "1",
     }
 
