@@ -9,6 +9,9 @@ import pytest
 from helpers import NO_GATE
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# servers skip building their shared rounds' graphs at load (seconds per server, many servers);
+# tests/serving/test_serving.py turns it on where it is tested
+os.environ.setdefault("SANCTUM_WARM_SHARED", "0")
 
 
 @pytest.fixture(scope="session")

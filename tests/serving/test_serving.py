@@ -150,22 +150,24 @@ def test_a_short_prompt_joining_shared_rounds_rides_them_without_a_prefill(pair,
     """A request arriving while another decodes in shared rounds runs its short prompt inside
     those rounds' target forwards (a block's rows a round), never in a prefill of its own
     between two of the running stream's rounds; its first chunk comes from a round, with its
-    time to first token, and both outputs are the engine's own. A prompt cache entry is only
-    saved for a prompt read to its end."""
+    time to first token, and both outputs are the engine's own. The
+    server built its shared rounds' graphs at load (SANCTUM_WARM_SHARED)."""
     from sanctum.serving.inline import InlineBackend, RoundDelay
     from sanctum.serving.requests import GenerateRequest
     from sanctum.serving.scheduler import RIDE_ROUNDS
     from sanctum.settings import serve_settings
 
     _, _, reference = engine
+    env = {**NO_GATE, "SANCTUM_WARM_SHARED": "1"}  # and the shared rounds built at load
     backend = InlineBackend(
-        serve_settings(pair[0], pair[1], cache_dir="none", max_active=2, env=NO_GATE),
+        serve_settings(pair[0], pair[1], cache_dir="none", max_active=2, env=env),
         RoundDelay(0.01),
     )
     try:
         backend.ready(60)
         sched, verifier = backend.scheduler, backend.scheduler.verifier
         assert sched.max_batch == 2 and verifier.ride_width > 1
+        assert list(verifier.warmed) == [2]
         prefilled = []  # the request of each prefill forward that ran
         decoder = verifier.decoder
         real = decoder.prefill
@@ -183,6 +185,11 @@ def test_a_short_prompt_joining_shared_rounds_rides_them_without_a_prefill(pair,
         assert joined[0].token_ids and joined[-1].usage.ttft_s > 0
         assert [t for c in joined for t in c.token_ids] == reference(prompt, 16)
         assert [t for c in head + rest for t in c.token_ids] == reference(PROMPTS[3], 120)
+        # the prompt cache's rungs were taken inside the shared rounds: the same prompt again
+        # resumes from one of them, to the same tokens
+        again = list(sched.submit(GenerateRequest(prompt=prompt, max_tokens=16, request_id="c")))
+        assert 0 < again[-1].usage.resumed_at < n
+        assert [t for c in again for t in c.token_ids] == reference(prompt, 16)
     finally:
         backend.close()
 

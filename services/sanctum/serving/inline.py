@@ -112,7 +112,7 @@ def make_verifier(
     greedy, sampled = (gate_threshold(settings.min_tau, d, s) for s in GATE_PROBES)
     verifier.decoder = d.with_policy(min_tau=greedy, min_tau_sampled=sampled)
     if settings.warm_shared and (settings.max_batch or 1) > 1:
-        spent = verifier.decoder.warm(range(2, settings.max_batch + 1))
+        spent = verifier.warmed = verifier.decoder.warm(range(2, settings.max_batch + 1))
         if spent:
             log.info("shared rounds of 2..%d built in %.2f s", settings.max_batch,
                      sum(spent.values()))  # fmt: skip

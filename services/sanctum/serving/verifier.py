@@ -166,6 +166,7 @@ class Verifier:
         self.eos_ids = set(target.tokenizer.eos_token_ids)
         self.counters = Counters()  # since start: read by Stats (serving_stats)
         self.model_id = str(target.path) if target.path else f"model-{id(target):x}"
+        self.warmed: dict[int, float] = {}  # batch size -> seconds its shared rounds took at load
 
     def model_key(self, kv_mode: str) -> str:
         return f"{self.model_id}|{kv_mode}"
