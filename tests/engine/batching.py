@@ -4,11 +4,13 @@ scripted drafts, and runs of a sequence alone and of a batch."""
 from __future__ import annotations
 
 import mlx.core as mx
+from helpers import assert_greedy_equal
 from sanctum.engine.decode.generate import generate, make_key
 from sanctum.engine.decode.peer import LocalDraftPeer
 from sanctum.engine.decode.policy import DecodePolicy
 from sanctum.engine.decode.rounds import BatchDecoder
 from sanctum.engine.decode.sampling import SamplingParams
+from sanctum.engine.kernels.cuda import is_cuda
 from sanctum.engine.model.target import cache_offset
 from test_engine import tokens_of
 
@@ -59,6 +61,17 @@ def solo(target, drafter, prompt, n, kv="fp16", eos=(), sampling=None, block=Non
         block_size=block,
     )
     return tokens_of(steps)
+
+
+def assert_as_alone(target, drafter, prompt, n, got, kv="fp16", what="") -> None:
+    """A greedy sequence decoded in shared rounds: its tokens are those it decodes alone (CPU);
+    on CUDA, plain greedy decoding's up to its first near tie (helpers.assert_greedy_equal)."""
+    if not is_cuda():
+        assert got == solo(target, drafter, prompt, n, kv), what
+        return
+    ids = target.tokenizer.encode(prompt)
+    plain = tokens_of(generate(target, ids, max_tokens=n, kv_mode=kv, eos_ids=set()))
+    assert_greedy_equal(target, ids, plain[: len(got)] if len(got) < n else plain, got, what)
 
 
 def run_batch(decoder, target, specs):
