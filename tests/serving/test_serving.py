@@ -196,7 +196,8 @@ def test_a_short_prompt_joining_shared_rounds_rides_them_without_a_prefill(pair,
 
 def test_prefill_slices_shrink_to_fit_their_time():
     """A slice is PREFILL_SLICE tokens, or fewer when the request's last slice says they would
-    take longer than prefill_slice_s (attention makes tokens dearer as the context grows)."""
+    take longer than prefill_slice_s, or, while others decode, than their last turn of rounds
+    (attention makes tokens dearer as the context grows)."""
     from sanctum.serving.scheduler import Scheduler
 
     sched = Scheduler(lambda: None, prefill_slice=512)
@@ -207,6 +208,15 @@ def test_prefill_slices_shrink_to_fit_their_time():
         assert sched._slice("r") == tokens
     sched._last_token_cost = 1e-3  # a first slice goes by the last one measured
     assert sched._slice("other") == 250
+    # while others decode, no longer than their last turn of rounds: 100 tokens of 50 ms
+    sched._turn_s = 0.05
+    assert sched._slice("other") == 250  # (nobody decoding)
+    sched._active["a"] = None
+    sched._token_cost["r"] = 5e-4
+    assert sched._slice("r") == 100
+    sched._token_cost["r"] = 1e-2  # at least MIN_PREFILL_SLICE
+    assert sched._slice("r") == 64
+    sched._active.clear()
     sched.shutdown()
 
 

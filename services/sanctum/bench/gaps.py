@@ -228,6 +228,7 @@ def long_prompt(backend, requests: list, args) -> tuple[dict, dict]:
         "worst_gap_ms_during_prefill": _ms(worst[0]) if worst else None,
         "worst_vs_median_before": _ratio(worst, median_before),
         "worst_gap_work": worst_work,
+        "long_prefill_slices_ms": _slices(backend, requests[-1].request_id),
         "long_ttft_ms": _ms(long.times[0] - long.submitted),
         "long_ttft_ms_server": _ms(long.usage.ttft_s) if long.usage else None,
     }
@@ -251,6 +252,18 @@ def _work_in(backend, gap: tuple[float, float] | None) -> list | None:
             detail = list(detail) if isinstance(detail, tuple) else detail
             out.append([kind, detail, _ms(inside)])
     return out
+
+
+def _slices(backend, request_id: str) -> dict | None:
+    """The prefill slices the worker ran for `request_id`: how many, their median and longest
+    ms (a slice is sized to SANCTUM_PREFILL_SLICE_MS by the request's last slice's cost)."""
+    log = getattr(getattr(backend, "scheduler", None), "work_log", None)
+    if log is None:
+        return None
+    ms = [t1 - t0 for t0, t1, kind, d in list(log) if kind == "prefill" and d[0] == request_id]
+    if not ms:
+        return None
+    return {"slices": len(ms), "median": _ms(statistics.median(ms)), "max": _ms(max(ms))}
 
 
 def _rounds_by_size(backend, lo: float, hi: float) -> dict | None:

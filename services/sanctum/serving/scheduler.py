@@ -36,8 +36,9 @@ if TYPE_CHECKING:  # the verifier imports MLX; the scheduler only passes its obj
 log = logging.getLogger("sanctum.scheduler")
 
 # Prompt tokens prefilled per turn of the worker loop before the decoding requests get a round,
-# and fewer when they would take longer than PREFILL_SLICE_S, judged by the cost per token of
-# the request's last slice: attention makes each token dearer as the context grows.
+# and fewer when they would take longer than PREFILL_SLICE_S, or, while others decode, than their
+# last turn of rounds took, judged by the cost per token of the request's last slice: attention
+# makes each token dearer as the context grows.
 # (ServeSettings.prefill_slice, prefill_slice_ms: SANCTUM_PREFILL_SLICE, SANCTUM_PREFILL_SLICE_MS)
 PREFILL_SLICE = 512
 PREFILL_SLICE_S = 0.25
@@ -133,6 +134,7 @@ class Scheduler:
         self.prefill_slice_s = prefill_slice_s
         self._token_cost: dict[str, float] = {}  # request id -> seconds a token, its last slice
         self._last_token_cost: float | None = None  # any request's: for a first slice
+        self._turn_s: float | None = None  # the last turn of the decoding requests' rounds
         self._tickets: dict[str, Ticket] = {}
         self._accepting = True
         self._stopped = False
@@ -289,14 +291,17 @@ class Scheduler:
                     left = self._prefilling[request_id][0].prompt_left
                     with self._logged("prefill", (request_id, left)):
                         self._prefill(request_id)
+            t0 = time.perf_counter()
             if self.max_batch > 1:
                 self._rounds_batched()
-                continue
-            for request_id in list(self._active):
-                self._reap_cancelled()
-                if request_id in self._active:
-                    with self._logged("round", 1):
-                        self._round(request_id)
+            else:
+                for request_id in list(self._active):
+                    self._reap_cancelled()
+                    if request_id in self._active:
+                        with self._logged("round", 1):
+                            self._round(request_id)
+            if self._active:  # the decoding requests' turn: what a prefill slice may add to it
+                self._turn_s = time.perf_counter() - t0
 
     def _rounds_batched(self) -> None:
         """One round of every decoding request, up to `max_batch` of them in each shared
@@ -380,11 +385,16 @@ class Scheduler:
         self._finish(request_id, ticket, InternalError(f"{exc.__class__.__name__}: {exc}"))
 
     def _slice(self, request_id: str) -> int:
-        """Prompt tokens for the request's next slice: PREFILL_SLICE, or what fits the time."""
+        """Prompt tokens for the request's next slice: PREFILL_SLICE, or what fits the time:
+        `prefill_slice_s`, and while other requests decode no longer than their last turn of
+        rounds took, so a slice at most doubles the gap between their chunks."""
         cost = self._token_cost.get(request_id, self._last_token_cost)
         if not cost:
             return self.prefill_slice
-        fits = int(self.prefill_slice_s / cost)
+        budget = self.prefill_slice_s
+        if self._active and self._turn_s:
+            budget = min(budget, self._turn_s)
+        fits = int(budget / cost)
         return max(min(MIN_PREFILL_SLICE, self.prefill_slice), min(self.prefill_slice, fits))
 
     def _prefill(self, request_id: str) -> None:
