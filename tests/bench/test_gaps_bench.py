@@ -32,3 +32,11 @@ def test_bench_gaps_reports_both_scenarios(make_pair, capsys):
     assert len(joining["gaps_ms_joining"]) == 2
     assert long["long_prompt_tokens"] == 300 and long["long_ttft_ms"] > 0
     assert long["median_gap_ms_before"] > 0 and long["worst_gap_ms_during_prefill"] > 0
+    # what filled the worst gaps: the worker's pieces, each inside the gap it is listed for
+    for work, worst in ((joining["worst_joining_work"], joining["worst_gap_ms_joining"]),
+                        (long["worst_gap_work"], long["worst_gap_ms_during_prefill"])):  # fmt: skip
+        assert work and {kind for kind, _, _ in work} <= {"open", "prefill", "round"}
+        assert sum(ms for _, _, ms in work) <= worst + 0.2
+    sizes = joining["rounds_ms_by_size"]
+    assert {"1", "2"} <= set(sizes)  # (JSON keys)
+    assert long["long_prefill_slices_ms"]["slices"] >= 1

@@ -235,18 +235,24 @@ def long_prompt(backend, requests: list, args) -> tuple[dict, dict]:
     return figures, {i: s.tokens for i, s in enumerate([*running, long])}
 
 
+def _work_log(backend) -> list | None:
+    """The server's worker's work log so far (`Scheduler.work_log`), or None where not kept."""
+    log = getattr(getattr(backend, "scheduler", None), "work_log", None)
+    return None if log is None else list(log)
+
+
 def _work_in(backend, gap: tuple[float, float] | None) -> list | None:
     """What the server's worker did inside `gap` (seconds, end time): each piece that overlaps
     it, in order, as [kind, detail, ms inside the gap] (kind: open, prefill (request, prompt
     tokens left before the slice), round (requests in it)); the rest of the gap is the time
     between pieces (handing chunks out, the worker's own loop)."""
-    log = getattr(getattr(backend, "scheduler", None), "work_log", None)
+    log = _work_log(backend)
     if gap is None or log is None:
         return None
     hi = gap[1]
     lo = hi - gap[0]
     out = []
-    for t0, t1, kind, detail in list(log):
+    for t0, t1, kind, detail in log:
         inside = min(t1, hi) - max(t0, lo)
         if inside > 0:
             detail = list(detail) if isinstance(detail, tuple) else detail
@@ -257,10 +263,10 @@ def _work_in(backend, gap: tuple[float, float] | None) -> list | None:
 def _slices(backend, request_id: str) -> dict | None:
     """The prefill slices the worker ran for `request_id`: how many, their median and longest
     ms (a slice is sized to SANCTUM_PREFILL_SLICE_MS by the request's last slice's cost)."""
-    log = getattr(getattr(backend, "scheduler", None), "work_log", None)
+    log = _work_log(backend)
     if log is None:
         return None
-    ms = [t1 - t0 for t0, t1, kind, d in list(log) if kind == "prefill" and d[0] == request_id]
+    ms = [t1 - t0 for t0, t1, kind, d in log if kind == "prefill" and d[0] == request_id]
     if not ms:
         return None
     return {"slices": len(ms), "median": _ms(statistics.median(ms)), "max": _ms(max(ms))}
@@ -270,11 +276,11 @@ def _rounds_by_size(backend, lo: float, hi: float) -> dict | None:
     """Rounds the worker ran between `lo` and `hi`, by the requests in them: {size: [the first
     round's ms, the median of the later ones' (None: no later one), how many]}: a size's first
     round builds its graphs unless they were built before (SANCTUM_WARM_SHARED)."""
-    log = getattr(getattr(backend, "scheduler", None), "work_log", None)
+    log = _work_log(backend)
     if log is None:
         return None
     sizes: dict[int, list[float]] = {}
-    for t0, t1, kind, detail in list(log):
+    for t0, t1, kind, detail in log:
         if kind == "round" and lo <= t0 and t1 <= hi:
             sizes.setdefault(detail, []).append(t1 - t0)
     return {
