@@ -262,7 +262,8 @@ def _work_in(backend, gap: tuple[float, float] | None) -> list | None:
 
 def _slices(backend, request_id: str) -> dict | None:
     """The prefill slices the worker ran for `request_id`: how many, their median and longest
-    ms (a slice is sized to SANCTUM_PREFILL_SLICE_MS by the request's last slice's cost)."""
+    ms (a slice is sized by the request's last slice's cost to SANCTUM_PREFILL_SLICE_MS, or,
+    while others decode, to their last turn of rounds)."""
     log = _work_log(backend)
     if log is None:
         return None

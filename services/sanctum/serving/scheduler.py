@@ -52,6 +52,9 @@ RIDE_ROUNDS = 4
 PREPARE_THREADS = 2
 
 
+_NOT_LOGGED = contextlib.nullcontext()
+
+
 class End:
     """Ticket item: the request is over (compare with isinstance: survives pickling)."""
 
@@ -317,12 +320,13 @@ class Scheduler:
                 with self._logged("round", len(group)):
                     self._round_batch(group)
 
-    @contextlib.contextmanager
     def _logged(self, kind: str, detail):
-        """Time a piece of the worker's work into `work_log`, when one is set."""
-        if self.work_log is None:
-            yield
-            return
+        """A context that times a piece of the worker's work into `work_log`, when one is set
+        (else one that does nothing: every round passes here)."""
+        return _NOT_LOGGED if self.work_log is None else self._timed(kind, detail)
+
+    @contextlib.contextmanager
+    def _timed(self, kind: str, detail):
         t0 = time.monotonic()
         try:
             yield

@@ -310,22 +310,19 @@ class Verifier:
         request's chunk is the one `step` would give it; None for a riding request whose
         prompt tail goes on in the next round (its key is then split again there, so its
         first token is drawn with the key it is drawn with alone)."""
-        keys, subs, befores = [], [], []
-        for act in acts:
-            key, sub = mx.random.split(act.key)
-            keys.append(key)
-            subs.append(sub)
-            befores.append(None if act.riding else self.decoder.committed_state(act.seq)[0])
-        steps = self.decoder.step_batch([act.seq for act in acts], subs)
+        keys, subs = zip(*(mx.random.split(act.key) for act in acts))
+        firsts = [act.riding for act in acts]  # their steps, if any token, are first tokens
+        befores = [
+            None if f else self.decoder.committed_state(a.seq)[0] for a, f in zip(acts, firsts)
+        ]
+        steps = self.decoder.step_batch([act.seq for act in acts], list(subs))
         chunks = []
-        for act, key, before, step in zip(acts, keys, befores, steps):
-            if act.riding:
+        for act, key, first, before, step in zip(acts, keys, firsts, befores, steps):
+            if act.riding:  # its tail goes on: no token yet, its key not used
                 chunks.append(None)
                 continue
             act.key = key
-            chunks.append(
-                self._first(act, step) if before is None else self._after_step(act, before, step)
-            )
+            chunks.append(self._first(act, step) if first else self._after_step(act, before, step))
         return chunks
 
     def _first(self, act: Active, step) -> Chunk:

@@ -128,16 +128,25 @@ class Decoder(Drafting):
         logits, taps = self.target.prefill(
             tokens, seq.cache, self.tap_ids, stops, on_stop, split_last=final
         )
+        self._prompt_read(seq, tokens, taps)
+        return logits
+
+    def _prompt_read(self, seq: Sequence, tokens: list[int], taps) -> None:
+        """`tokens` of the prompt are in the cache now; their taps are kept for the drafter."""
         seq.cached_tokens.extend(tokens)
         if self.head is not None:
             seq.taps.add(taps)
-        return logits
 
     def start(self, seq: Sequence, logits: mx.array, key: mx.array) -> Step:
         """Commit the first token from the prefill logits."""
         token = self._sample_one(logits, seq.sampling, key)
+        return self._first_token(seq, token, cache_offset(seq.cache))
+
+    def _first_token(self, seq: Sequence, token: int, position: int) -> Step:
+        """Commit the first token, sampled after the prompt's rows (which end at `position`);
+        the drafter may start on the first block."""
         step = self._commit(seq, [token], None, stats=None)
-        self._prefetch(seq, cache_offset(seq.cache))
+        self._prefetch(seq, position)
         if self._runs_ahead(seq.sampling) and seq.finished is None:
             seq.ahead = self._queue_step(seq, mx.array([seq.anchor]))
         return step

@@ -88,7 +88,7 @@ class BatchDecoder(Decoder):
         stream in that round. Returns seconds per size."""
         if self.peer is None or self.block_size <= 1:
             return {}
-        tokenizer = self.target.tokenizer
+        prompt = self.target.tokenizer.encode("def warm(values):\n    return sorted(values)[:8]\n")
         spent = {}
         for n in sorted({int(n) for n in sizes if int(n) >= 2}):
             t0 = time.perf_counter()
@@ -97,7 +97,6 @@ class BatchDecoder(Decoder):
             ]
             keys = [mx.random.key(i) for i in range(n)]
             try:
-                prompt = tokenizer.encode("def warm(values):\n    return sorted(values)[:8]\n")
                 for i, seq in enumerate(seqs):  # lengths differ: ragged caches, as served
                     self.start(seq, self.prefill(seq, prompt[: 1 + i % len(prompt)]), keys[i])
                 for _ in range(rounds):
@@ -216,8 +215,8 @@ class BatchDecoder(Decoder):
         self._prefetch_together(deferred)  # the drafter works while the caches roll back
         settled = [steps[i] for i, *_ in drafted]
         t2 = time.perf_counter()
-        keeps = [len(step.tokens) for step in settled]  # a block's committed rows; a tail's
-        keeps += [1 + b.shape[0] for b in blocks[len(drafted) :]] + [1] * len(gated)  # all
+        # a drafted block keeps its committed rows; a tail's part and a plain step, all of theirs
+        keeps = [len(step.tokens) for step in settled] + widths[len(drafted) :]
         self._queue_rollback(self.target.rollback_batch(caches, tape, keeps))
         for _, seq, _ in riders:  # a stop's callback sees the cache as `prefill` leaves it there
             if seq.on_tail_stop is not None and len(seq.cached_tokens) in seq.tail_stops:
@@ -232,32 +231,27 @@ class BatchDecoder(Decoder):
         `prefill` leaves them; once the tail ends, its first token committed, as `start`
         commits it. Before that, a step of no tokens."""
         part, rest = seq.tail[:rows], seq.tail[rows:]
-        seq.cached_tokens.extend(part)
-        if self.head is not None:
-            seq.taps.add(taps)
-        if rest:
-            seq.tail = rest
-            return Step([], None)
-        seq.tail = None
-        step = self._commit(seq, [token], None, stats=None)
-        self._prefetch(seq, start + len(part))
-        return step
+        self._prompt_read(seq, part, taps)
+        seq.tail = rest or None
+        return Step([], None) if rest else self._first_token(seq, token, start + rows)
 
-    def _accept_all(self, drafted, gated, blocks, outs, widths) -> tuple[list, list[int]]:
+    def _accept_all(self, drafted, extra, blocks, outs, widths) -> tuple[list, list[int]]:
         """The acceptance of every block of a shared round in one evaluation and one host read:
-        (count, bonus, block ids) of each drafted block, and each gated sequence's token. Greedy
-        blocks are judged together; sampled ones each with its own key, as alone."""
+        (count, bonus, block ids) of each drafted block, and the token after the last row of
+        each `extra` sequence (index, seq, key: a riding tail or a gated plain step, after the
+        drafted ones in `outs`). Greedy blocks are judged together; sampled ones each with its
+        own key, as alone."""
         N, L = blocks.shape
         num_drafted = len(drafted)
         if any(seq.sampling.greedy for _, seq, *_ in drafted):
             run, bonus = greedy_acceptance_batch(blocks, [out[0] for out in outs], widths)
         else:  # (read from `singles` below)
             run = bonus = mx.zeros((N,), mx.int32)
-        singles = []  # [] arrays: each sampled block's (count, token), then each gated token
+        singles = []  # [] arrays: each sampled block's (count, token), then each extra's token
         for (_, seq, drafts, q, k_acc), (logits, _, _) in zip(drafted, outs):
             if not seq.sampling.greedy:
                 singles += self._sampled_acceptance(drafts, q, logits, seq.sampling, k_acc)
-        for (_, seq, key), (logits, _, _) in zip(gated, outs[num_drafted:]):
+        for (_, seq, key), (logits, _, _) in zip(extra, outs[num_drafted:]):
             singles.append(self._token(logits, seq.sampling, key))
         parts = [mx.concatenate([run[:, None], bonus[:, None], blocks], axis=1).reshape(-1)]
         if singles:
