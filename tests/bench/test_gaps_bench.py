@@ -40,3 +40,4 @@ def test_bench_gaps_reports_both_scenarios(make_pair, capsys):
     sizes = joining["rounds_ms_by_size"]
     assert {"1", "2"} <= set(sizes)  # (JSON keys)
     assert long["long_prefill_slices_ms"]["slices"] >= 1
+    assert out["warmed_s"] == 0  # the suite's servers skip the warm-up (conftest)

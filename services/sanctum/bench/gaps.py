@@ -366,6 +366,8 @@ def run(args) -> dict:
             "max_batch": backend.scheduler.max_batch,
             "block_size": settings.engine.block_size or "the drafter's",
             "warm": args.warm,
+            # seconds the server spent at load on shared rounds of each size (SANCTUM_WARM_SHARED)
+            "warmed_s": round(sum(backend.verifier.warmed.values()), 2),
             "scenarios": rows,
             "outputs_equal_alone": all(r["outputs_equal_alone"] for r in rows),
         }
