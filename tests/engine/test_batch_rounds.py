@@ -406,24 +406,39 @@ def test_bench_batch_steady_times_shared_rounds_and_checks_them_against_plain(
     assert "--cluster" in capsys.readouterr().err
 
 
-def test_warm_runs_each_batch_size_once_and_leaves_the_decoder_as_it_was(make_pair):
-    """A server's warm-up at load: shared rounds at every size it will serve, on throwaway
-    sequences that are all closed after (nothing left open on the drafter), and the decoder
-    then serves a batch exactly as alone."""
+def test_warm_runs_each_batch_size_and_lookup_width_once_and_leaves_the_decoder_as_it_was(
+    make_pair,
+):
+    """A server's warm-up at load: shared rounds at every size it will serve, and rounds of
+    every width a looked-up block grows to at every size (one sequence's too), on throwaway
+    sequences that are all closed after (nothing left open on the drafter); the decoder then
+    serves a batch exactly as alone. With lookup off, no widths and no size of one."""
     target, drafter = load_pair(make_pair, "hybrid", "dflash")
     peer = LocalDraftPeer(drafter)
     decoder = BatchDecoder(target, drafter, peer)
+    L = decoder.block_size
+    assert decoder.lookup_widths() == [w for w in (2 * L, 4 * L, 8 * L) if w <= 32]
     traced = []
-    real = rounds.verify_batch
+    real_batch, real_verify = rounds.verify_batch, target.verify
     rounds.verify_batch = lambda t, blocks, *a, **k: (
-        traced.append(blocks.shape[0]) or real(t, blocks, *a, **k)
+        traced.append(blocks.shape) or real_batch(t, blocks, *a, **k)
+    )
+    target.verify = lambda blocks, *a, **k: (
+        traced.append((1, *blocks.shape)) or real_verify(blocks, *a, **k)
     )
     try:
         spent = decoder.warm([1, 3, 2])
+        off = decoder.with_policy(lookup_min=0)
+        spent_off = off.warm([1, 2])
     finally:
-        rounds.verify_batch = real
-    assert sorted(spent) == [2, 3] and all(s > 0 for s in spent.values())
-    assert sorted(set(traced)) == [2, 3]  # shared forwards of each size, none of one
+        rounds.verify_batch = real_batch
+        del target.verify
+    assert sorted(spent) == [1, 2, 3] and all(s > 0 for s in spent.values())
+    assert sorted(spent_off) == [2]
+    for n in (1, 2, 3):  # each size verified blocks of each looked-up width
+        for w in decoder.lookup_widths():
+            assert (n, w) in {tuple(s[:2]) for s in traced}, (n, w, traced)
+    assert {s[0] for s in traced if s[1] == L} >= {2, 3}  # drafted blocks of each shared size
     assert peer.caches == {}
     specs = [(f"s{i}", p, 12, "fp16", (), None) for i, p in enumerate(PROMPTS[:3])]
     got, _ = run_batch(decoder, target, specs)

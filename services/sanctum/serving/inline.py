@@ -111,10 +111,10 @@ def make_verifier(
     d = verifier.decoder  # the gate's thresholds are measured on it, then fixed in its policy
     greedy, sampled = (gate_threshold(settings.min_tau, d, s) for s in GATE_PROBES)
     verifier.decoder = d.with_policy(min_tau=greedy, min_tau_sampled=sampled)
-    if settings.warm_shared and (settings.max_batch or 1) > 1:
-        spent = verifier.warmed = verifier.decoder.warm(range(2, settings.max_batch + 1))
+    if settings.warm_shared:  # shared rounds of 2..max_batch, and looked-up blocks' widths
+        spent = verifier.warmed = verifier.decoder.warm(range(1, (settings.max_batch or 1) + 1))
         if spent:
-            log.info("shared rounds of 2..%d built in %.2f s", settings.max_batch,
+            log.info("rounds of 1..%d sequences built in %.2f s", max(spent),
                      sum(spent.values()))  # fmt: skip
     return verifier
 

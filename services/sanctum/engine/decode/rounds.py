@@ -18,6 +18,7 @@ from ..model.target import cache_offset
 from .batch import verify_batch
 from .decoder import Decoder
 from .peer import DraftUnavailable
+from .policy import LOOKUP_MAX_WIDTH
 from .sampling import greedy_acceptance_batch
 from .sequence import Prefetch, RoundStats, Sequence, Step
 
@@ -82,15 +83,18 @@ class BatchDecoder(Decoder):
 
     def warm(self, sizes, rounds: int = 2, kv_mode: str = "fp16") -> dict[int, float]:
         """Shared rounds at each batch size in `sizes` (>= 2) on throwaway greedy sequences of
-        different lengths, then one shared plain step: what a server runs once at load, so that
-        the graphs of each size (compiled layers traced per shape; on a GPU their kernels built)
-        exist before a second, fifth or eighth stream joins, instead of stalling every running
-        stream in that round. Returns seconds per size."""
+        different lengths, then one shared plain step; with lookup on, rounds of every
+        looked-up width a block can grow to (`lookup_widths`) at each size, one sequence's
+        included. What a server runs once at load, so that the graphs of each size and width
+        (compiled layers traced per shape; on a GPU their kernels built) exist before a
+        second, fifth or eighth stream joins or the streams copy text, instead of stalling
+        every running stream in that round. Returns seconds per size."""
         if self.peer is None or self.block_size <= 1:
             return {}
         prompt = self.target.tokenizer.encode("def warm(values):\n    return sorted(values)[:8]\n")
+        widths = self.lookup_widths()
         spent = {}
-        for n in sorted({int(n) for n in sizes if int(n) >= 2}):
+        for n in sorted({int(n) for n in sizes if int(n) >= (1 if widths else 2)}):
             t0 = time.perf_counter()
             seqs = [
                 self.new_sequence(f"warm-{n}-{i}", kv_mode, max_tokens=1 << 30) for i in range(n)
@@ -99,15 +103,36 @@ class BatchDecoder(Decoder):
             try:
                 for i, seq in enumerate(seqs):  # lengths differ: ragged caches, as served
                     self.start(seq, self.prefill(seq, prompt[: 1 + i % len(prompt)]), keys[i])
-                for _ in range(rounds):
-                    self.step_batch(seqs, keys)
-                self._plain_steps(seqs, keys, list(range(n)), {})
+                if n > 1:
+                    for _ in range(rounds):
+                        self.step_batch(seqs, keys)
+                    self._plain_steps(seqs, keys, list(range(n)), {})
+                for width in widths:
+                    for _ in range(rounds):
+                        for seq in seqs:
+                            _look_up_next(seq, width)
+                        if n > 1:
+                            self.step_batch(seqs, keys)
+                        else:
+                            self.step(seqs[0], keys[0])
                 mx.synchronize()
             finally:
                 for seq in seqs:
                     self.close(seq)
             spent[n] = time.perf_counter() - t0
         return spent
+
+    def lookup_widths(self) -> list[int]:
+        """The widths past the drafter's that a looked-up block grows to (policy.next_width:
+        doubling while accepted whole), none with lookup off: a round of sequences that all
+        copy text verifies blocks that wide."""
+        if not self.policy.lookup_min:
+            return []
+        widths, width = [], self.block_size
+        while min(LOOKUP_MAX_WIDTH, 2 * width) > width:
+            width = min(LOOKUP_MAX_WIDTH, 2 * width)
+            widths.append(width)
+        return widths
 
     @staticmethod
     def _cap_looked_up(drafted: list) -> list:
@@ -364,6 +389,23 @@ class BatchDecoder(Decoder):
             if out[n] is None:
                 out[n] = self._propose(seq, hidden[n], logits[n], seq.sampling, key)
         return out
+
+
+class _Repeats:
+    """A warm-up sequence's stand-in for its TokenIndex (lookup.py): every round finds a
+    continuation (its anchor repeated), so the round verifies a looked-up block."""
+
+    @staticmethod
+    def continuation(tokens, anchor: int, count: int, min_match: int) -> np.ndarray:
+        return np.full(count, anchor, np.int32)
+
+
+def _look_up_next(seq: Sequence, width: int) -> None:
+    """Have a warm-up sequence's next round verify a looked-up block of `width` rows: its
+    lookup always finds one that wide, and the speculation gate, which would have a sequence
+    that rejects every round step plainly, is kept in its warm-up."""
+    seq.lookup, seq.lookup_width = _Repeats(), width
+    seq.gate_rounds = seq.plain_left = 0
 
 
 def _tail_rows(seq: Sequence, widest: int) -> int:
