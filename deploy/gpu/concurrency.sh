@@ -10,7 +10,8 @@
 # first, each under its own `timeout` (a hang costs that step only):
 #   build        the seed-shaped pair (bench seed --build-only; reused under SEED_DIR)
 #   seed-steady  bench batch --steady at 1,4,8 on it: round ms, tok/s vs one, the phases, the
-#                op counts (COUNT), every output judged against plain greedy (near-tie verdicts)
+#                op counts (COUNT), every output judged against plain greedy (near-tie verdicts);
+#                then the same levels with acceptance forced to tau 5 (random weights accept none)
 #   default-served  bench batch --concurrency 1,4,8 --warm on the default pair, served inline
 #   default-gaps  bench gaps --warm on the default pair: a running stream's worst gap as streams
 #                2..8 join, and the running streams' worst gap while a ~4K prompt is prefilled
@@ -87,7 +88,8 @@ steady=(--steady "$rounds" --warm-rounds "$warm" --phases "$phases" --concurrenc
 [ "$count" -gt 0 ] && steady+=(--count-ops "$count")
 if [ -n "$pair" ]; then
   read -r target drafter <<< "$pair"
-  step seed-steady 330 "${bench[@]}" batch --model "$target" --drafter "$drafter" "${steady[@]}"
+  step seed-steady 330 "${bench[@]}" batch --model "$target" --drafter "$drafter" "${steady[@]}" \
+    --force-tau 0,5
 fi
 step default-served 150 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --json
 step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"

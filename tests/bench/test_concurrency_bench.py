@@ -90,6 +90,22 @@ def test_bench_batch_steady_counts_ops_and_judges_equality(make_pair, capsys):
     assert out["levels"][0]["ops"]["nodes_vs_one"] == 1.0
 
 
+def test_bench_batch_steady_forces_acceptance(make_pair, capsys):
+    """--force-tau 0,3: every level at the real acceptance, then every round, solo and shared,
+    committing 3 tokens of each sequence (the test pair's random drafts accept far fewer),
+    its outputs said to be unchecked; the real levels are still judged against plain."""
+    out = _steady(make_pair, capsys, "--force-tau", "0,3")
+    assert out["force_tau"] == [None, 3] and out["all_outputs_equal_plain"]
+    real, forced = out["levels"][:2], out["levels"][2:]
+    assert [r["force_tau"] for r in real] == [None, None] and real[0]["tau"] < 3
+    assert [r["force_tau"] for r in forced] == [3, 3]
+    for row in forced:
+        assert row["tau"] == 3.0
+        assert row["tokens_per_round"] == 3 * row["concurrency"]
+        assert row["equality"].startswith("not checked") and row["equality_per_sequence"] == []
+    assert forced[0]["tok_s_vs_one"] == 1.0  # each tau's levels against its own one
+
+
 def test_bench_batch_steady_budget_outlives_its_rounds_and_reports_early_ends(
     make_pair, capsys, monkeypatch
 ):

@@ -32,6 +32,7 @@ PROMPTS = [
 ]
 
 
+FORCED = "not checked: acceptance forced"
 WARM_ROUNDS = 3  # untimed, before `steady`'s timed rounds: each batch shape's first graphs
 
 
@@ -93,6 +94,14 @@ def add_parser(bsub) -> None:
         "H200 a process's first run had not settled after 3 + 8 rounds; a second run had)",
     )
     p.add_argument(
+        "--force-tau",
+        default="0",
+        metavar="TAU[,TAU...]",
+        help="with --steady: every round keeps TAU - 1 drafts whatever the target says (a "
+        "random-weight pair's rounds at a trained pair's acceptance; lookup off, outputs "
+        "not checked); 0: the real acceptance; several: every level at each, in one process",
+    )
+    p.add_argument(
         "--lines", action="store_true", help="with --steady: a JSON line per level as it ends"
     )
     p.add_argument("--json", action="store_true")
@@ -139,6 +148,7 @@ def steady(args, levels: list[int]) -> dict:
 
     from ..engine.decode.generate import make_key
     from ..engine.decode.peer import LocalDraftPeer
+    from ..engine.decode.policy import DecodePolicy
     from ..engine.decode.rounds import BatchDecoder
     from ..serving.inline import load_models
     from ..settings import engine_settings, model_flags
@@ -147,11 +157,22 @@ def steady(args, levels: list[int]) -> dict:
     target, drafter = load_models(settings)
     if drafter is None:
         raise ValueError("bench batch --steady needs a drafter")
-    decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter), settings.block_size)
+    taus = [int(t) for t in str(args.force_tau).split(",")]
+
+    def decoder_at(tau: int) -> BatchDecoder:
+        if not tau:
+            return BatchDecoder(target, drafter, LocalDraftPeer(drafter), settings.block_size)
+        from .seed import ForcedBatchDecoder  # what a round costs at that acceptance
+
+        policy = DecodePolicy(lookup_min=0)
+        return ForcedBatchDecoder(target, drafter, settings.block_size, tau, policy)
+
     rounds = args.warm_rounds + args.steady + args.phases + args.count_ops
-    budget = steady_budget(rounds, decoder.block_size)
+    decoders = {tau: decoder_at(tau) for tau in taus}
+    budget = steady_budget(rounds, decoders[taus[0]].block_size)
     key, rows = make_key(0), []
-    for n in levels:
+    for tau, n in [(tau, n) for tau in taus for n in levels]:
+        decoder = decoders[tau]
         prompts, seqs, out = open_level(decoder, settings, n, budget, key)
         accepted: list[int] = []
         for _ in range(args.warm_rounds):
@@ -172,7 +193,8 @@ def steady(args, levels: list[int]) -> dict:
         finished = sum(seq.finished is not None for seq in seqs)
         for seq in seqs:
             decoder.close(seq)
-        verdicts = plain_verdicts(target, settings, prompts, out)
+        # forced acceptance commits drafts the target did not choose: nothing to check
+        verdicts = [] if tau else plain_verdicts(target, settings, prompts, out)
         rows.append(
             {
                 "concurrency": n,
@@ -187,8 +209,11 @@ def steady(args, levels: list[int]) -> dict:
                 # sequences that ended before the last measured round (their budget or the
                 # context): the rounds after were narrower than `concurrency`
                 "sequences_finished": finished,
-                "outputs_equal_plain": all(v["verdict"] == "equal" for v in verdicts),
-                "equality": worst([v["verdict"] for v in verdicts]),
+                "force_tau": tau or None,
+                "outputs_equal_plain": None
+                if tau
+                else all(v["verdict"] == "equal" for v in verdicts),
+                "equality": FORCED if tau else worst([v["verdict"] for v in verdicts]),
                 "equality_per_sequence": verdicts,
             }
         )
@@ -196,12 +221,14 @@ def steady(args, levels: list[int]) -> dict:
             rows[-1]["phases_ms"] = phases
         if ops is not None:
             rows[-1]["ops"] = ops
-        base, row = rows[0], rows[-1]  # levels ascend from one sequence
+        row = rows[-1]  # levels ascend from one sequence, at each forced tau
+        base = next(r for r in rows if r["force_tau"] == row["force_tau"])
         row["tok_s_vs_one"] = round(row["tok_s"] / base["tok_s"], 2) if base["tok_s"] else None
         if ops is not None and base["ops"]["nodes_per_round"]:
             ops["nodes_vs_one"] = round(ops["nodes_per_round"] / base["ops"]["nodes_per_round"], 2)
         if args.lines:  # each level as it ends: a run cut short keeps the levels it measured
             print(json.dumps(row), flush=True)
+    checked = [r for r in rows if r["force_tau"] is None]
     return {
         "mode": "steady rounds",
         "rounds": args.steady,
@@ -209,8 +236,12 @@ def steady(args, levels: list[int]) -> dict:
         "block_size": decoder.block_size,
         "near_tie_logits": NEAR_TIE,
         "levels": rows,
-        "all_outputs_equal_plain": all(r["outputs_equal_plain"] for r in rows),
-        "equality": worst([r["equality"] for r in rows]),
+        "force_tau": [t or None for t in taus],
+        # over the levels at the real acceptance (forced ones commit drafts unchecked)
+        "all_outputs_equal_plain": all(r["outputs_equal_plain"] for r in checked)
+        if checked
+        else None,
+        "equality": worst([r["equality"] for r in checked]) if checked else FORCED,
     }
 
 
@@ -293,8 +324,16 @@ def _round(decoder, seqs: list, key, out: list[list[int]], accepted: list[int] |
 
 
 def run(args) -> dict:
-    if (args.phases or args.count_ops) and not args.steady:
-        raise ValueError("--phases and --count-ops run after --steady's rounds: give --steady")
+    try:
+        taus = [int(t) for t in str(args.force_tau).split(",")]
+    except ValueError:
+        raise ValueError(f"--force-tau takes integers, got {args.force_tau!r}") from None
+    if min(taus) < 0:
+        raise ValueError(f"--force-tau must be >= 1 (0: the real acceptance), got {args.force_tau}")
+    if (args.phases or args.count_ops or any(taus)) and not args.steady:
+        raise ValueError(
+            "--phases, --count-ops and --force-tau are for --steady's rounds: give --steady"
+        )
     if args.steady:
         if args.cluster or args.temperature:
             raise ValueError(

@@ -33,6 +33,7 @@ from ..engine.decode.decoder import Decoder
 from ..engine.decode.generate import make_key
 from ..engine.decode.peer import LocalDraftPeer
 from ..engine.decode.policy import DecodePolicy, draft_ahead_default
+from ..engine.decode.rounds import BatchDecoder
 from ..engine.decode.sampling import SamplingParams, acceptance_length, greedy_tokens
 from ..engine.kernels import cuda, fused, qmm_cuda
 from ..engine.model import gdn
@@ -62,6 +63,19 @@ class ForcedDecoder(Decoder):
             return super()._lazy_accept(drafts, logits)
         accepted = min(self.tau - 1, drafts.shape[0])
         return mx.array(accepted, mx.int32), greedy_tokens(logits)[accepted].astype(mx.int32)
+
+
+class ForcedBatchDecoder(ForcedDecoder, BatchDecoder):
+    """ForcedDecoder's acceptance in shared rounds too (`bench batch --steady --force-tau`):
+    every drafted block of a round keeps `tau - 1` drafts (at most its width's), its bonus token
+    the target's greedy token after them, read in one more host read a round."""
+
+    def _accept_all(self, drafted, extra, blocks, outs, widths):
+        reads, tokens = super()._accept_all(drafted, extra, blocks, outs, widths)
+        counts = [min(self.tau - 1, w - 1) for w in widths[: len(reads)]]
+        picked = [greedy_tokens(out[0])[c] for out, c in zip(outs, counts)]
+        bonus = mx.stack(picked).tolist() if picked else []
+        return [(c, b, ids) for (_, _, ids), c, b in zip(reads, counts, bonus)], tokens
 
 
 class DraftlessDecoder(ForcedDecoder):
