@@ -37,6 +37,8 @@ def test_bench_gaps_reports_both_scenarios(make_pair, capsys):
                         (long["worst_gap_work"], long["worst_gap_ms_during_prefill"])):  # fmt: skip
         assert work and {kind for kind, _, _ in work} <= {"open", "prefill", "round"}
         assert sum(ms for _, _, ms in work) <= worst + 0.2
+        for kind, detail, _ in work:  # a round: [requests in it, tokens it committed]
+            assert kind != "round" or (detail[0] >= 1 and detail[1] >= 0)
     sizes = joining["rounds_ms_by_size"]
     assert {"1", "2"} <= set(sizes)  # (JSON keys)
     assert long["long_prefill_slices_ms"]["slices"] >= 1

@@ -244,7 +244,8 @@ def _work_log(backend) -> list | None:
 def _work_in(backend, gap: tuple[float, float] | None) -> list | None:
     """What the server's worker did inside `gap` (seconds, end time): each piece that overlaps
     it, in order, as [kind, detail, ms inside the gap] (kind: open, prefill (request, prompt
-    tokens left before the slice), round (requests in it)); the rest of the gap is the time
+    tokens left before the slice), round (requests in it, tokens it committed: a round of
+    wide looked-up blocks is long but commits many)); the rest of the gap is the time
     between pieces (handing chunks out, the worker's own loop)."""
     log = _work_log(backend)
     if gap is None or log is None:
@@ -283,7 +284,7 @@ def _rounds_by_size(backend, lo: float, hi: float) -> dict | None:
     sizes: dict[int, list[float]] = {}
     for t0, t1, kind, detail in log:
         if kind == "round" and lo <= t0 and t1 <= hi:
-            sizes.setdefault(detail, []).append(t1 - t0)
+            sizes.setdefault(detail[0], []).append(t1 - t0)
     return {
         n: [_ms(ms[0]), _ms(statistics.median(ms[1:])) if len(ms) > 1 else None, len(ms)]
         for n, ms in sorted(sizes.items())

@@ -143,7 +143,8 @@ class Scheduler:
         self._stopped = False
         self.counters = {"cancelled": 0, "rejected": 0, "failed": 0, "finished": 0}
         # when set (a deque, by a bench): one (start, end, kind, detail) per piece of the
-        # worker's work, on the monotonic clock, to say what filled a stream's gap
+        # worker's work, on the monotonic clock, to say what filled a stream's gap (a round's
+        # detail: [requests in it, tokens it committed])
         self.work_log: deque | None = None
         self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="sanctum-prep")
         self._mlx = MlxThread(load, lambda _: self._loop(), "sanctum-mlx", "the models")
@@ -301,8 +302,8 @@ class Scheduler:
                 for request_id in list(self._active):
                     self._reap_cancelled()
                     if request_id in self._active:
-                        with self._logged("round", 1):
-                            self._round(request_id)
+                        with self._logged("round", detail := [1, 0]):
+                            detail[1] = self._round(request_id)
             if self._active:  # the decoding requests' turn: what a prefill slice may add to it
                 self._turn_s = time.perf_counter() - t0
 
@@ -314,11 +315,11 @@ class Scheduler:
             self._reap_cancelled()
             group = [r for r in ids[g : g + self.max_batch] if r in self._active]
             if len(group) == 1:
-                with self._logged("round", 1):
-                    self._round(group[0])
-            elif group:
-                with self._logged("round", len(group)):
-                    self._round_batch(group)
+                with self._logged("round", detail := [1, 0]):
+                    detail[1] = self._round(group[0])
+            elif group:  # (the work log's detail: requests in the round, tokens it committed)
+                with self._logged("round", detail := [len(group), 0]):
+                    detail[1] = self._round_batch(group)
 
     def _logged(self, kind: str, detail):
         """A context that times a piece of the worker's work into `work_log`, when one is set
@@ -436,24 +437,29 @@ class Scheduler:
             self._active[request_id] = (act, ticket)
             self._prefilling.pop(request_id, None)
 
-    def _round(self, request_id: str) -> None:
+    def _round(self, request_id: str) -> int:
+        """One round of one request; returns the tokens it committed."""
         act, ticket = self._active[request_id]
         try:
             chunk: Chunk = self.verifier.step(act)
         except Exception as exc:
-            return self._fail(request_id, act, ticket, exc, "in a round")
+            self._fail(request_id, act, ticket, exc, "in a round")
+            return 0
         self._after_round(request_id, act, ticket, chunk)
+        return len(chunk.token_ids)
 
-    def _round_batch(self, request_ids: list[str]) -> None:
+    def _round_batch(self, request_ids: list[str]) -> int:
+        """One shared round of the requests; returns the tokens it committed."""
         entries = [self._active[r] for r in request_ids]
         try:
             chunks = self.verifier.step_batch([act for act, _ in entries])
         except Exception as exc:  # which request broke it is unknown: each is told
             for request_id, (act, ticket) in zip(request_ids, entries):
                 self._fail(request_id, act, ticket, exc, "in a batched round")
-            return
+            return 0
         for request_id, (act, ticket), chunk in zip(request_ids, entries, chunks):
             self._after_round(request_id, act, ticket, chunk)
+        return sum(len(chunk.token_ids) for chunk in chunks if chunk is not None)
 
     def _after_round(
         self, request_id: str, act: Active, ticket: Ticket, chunk: Chunk | None
