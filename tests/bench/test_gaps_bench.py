@@ -42,4 +42,8 @@ def test_bench_gaps_reports_both_scenarios(make_pair, capsys):
     sizes = joining["rounds_ms_by_size"]
     assert {"1", "2"} <= set(sizes)  # (JSON keys)
     assert long["long_prefill_slices_ms"]["slices"] >= 1
+    # the long prompt's own share of a gap: its slices, at most the whole worst gap
+    assert 0 <= long["most_prefill_in_a_gap_ms"] <= long["long_prefill_slices_ms"]["max"] + 0.2
+    assert long["median_round_ms_before"] > 0
+    assert long["most_prefill_in_a_gap_vs_median_round"] >= 0
     assert out["warmed_s"] == 0  # the suite's servers skip the warm-up (conftest)

@@ -196,8 +196,9 @@ def test_a_short_prompt_joining_shared_rounds_rides_them_without_a_prefill(pair,
 
 def test_prefill_slices_shrink_to_fit_their_time():
     """A slice is PREFILL_SLICE tokens, or fewer when the request's last slice says they would
-    take longer than prefill_slice_s, or, while others decode, than their last turn of rounds
-    (attention makes tokens dearer as the context grows)."""
+    take longer than prefill_slice_s, or, while others decode, than their turn of rounds (the
+    median of their last few: one long turn does not double the next slice; attention makes
+    tokens dearer as the context grows)."""
     from sanctum.serving.scheduler import Scheduler
 
     sched = Scheduler(lambda: None, prefill_slice=512)
@@ -208,12 +209,16 @@ def test_prefill_slices_shrink_to_fit_their_time():
         assert sched._slice("r") == tokens
     sched._last_token_cost = 1e-3  # a first slice goes by the last one measured
     assert sched._slice("other") == 250
-    # while others decode, no longer than their last turn of rounds: 100 tokens of 50 ms
-    sched._turn_s = 0.05
+    # while others decode, no longer than their turn of rounds: 100 tokens of 50 ms
+    sched._turns.extend([0.05, 0.04, 0.06])
     assert sched._slice("other") == 250  # (nobody decoding)
     sched._active["a"] = None
     sched._token_cost["r"] = 5e-4
     assert sched._slice("r") == 100
+    sched._turns.append(0.2)  # one long turn (wide looked-up blocks): the median holds
+    assert sched._slice("r") == 110
+    sched._turns.extend([0.2] * 5)  # the last few all long: so are the slices
+    assert sched._slice("r") == 400
     sched._token_cost["r"] = 1e-2  # at least MIN_PREFILL_SLICE
     assert sched._slice("r") == 64
     sched._active.clear()

@@ -219,6 +219,14 @@ def long_prompt(backend, requests: list, args) -> tuple[dict, dict]:
     median_before = _median(before)
     worst = max(during) if during else None
     worst_work = _work_in(backend, worst)
+    # what the long prompt itself added to a running stream's gap: its prefill slices inside
+    # the gap (the rest of a gap is rounds, which may be long on their own: wide looked-up
+    # blocks), against the running streams' median round before it arrived
+    added = [_prefill_in(backend, gap, requests[-1].request_id) for gap in during]
+    added = [a for a in added if a is not None]
+    rounds = _round_times(backend, started, lo, len(running))
+    median_round = statistics.median(rounds) if rounds else None
+    most_added = max(added) if added else None
     figures = {
         "scenario": "long_prompt",
         "running": len(running),
@@ -228,6 +236,11 @@ def long_prompt(backend, requests: list, args) -> tuple[dict, dict]:
         "worst_gap_ms_during_prefill": _ms(worst[0]) if worst else None,
         "worst_vs_median_before": _ratio(worst, median_before),
         "worst_gap_work": worst_work,
+        "most_prefill_in_a_gap_ms": _ms(most_added),
+        "median_round_ms_before": _ms(median_round),
+        "most_prefill_in_a_gap_vs_median_round": round(most_added / median_round, 2)
+        if most_added is not None and median_round
+        else None,
         "long_prefill_slices_ms": _slices(backend, requests[-1].request_id),
         "long_ttft_ms": _ms(long.times[0] - long.submitted),
         "long_ttft_ms_server": _ms(long.usage.ttft_s) if long.usage else None,
@@ -259,6 +272,32 @@ def _work_in(backend, gap: tuple[float, float] | None) -> list | None:
             detail = list(detail) if isinstance(detail, tuple) else detail
             out.append([kind, detail, _ms(inside)])
     return out
+
+
+def _prefill_in(backend, gap: tuple[float, float], request_id: str) -> float | None:
+    """Seconds of `request_id`'s prefill slices inside `gap` (seconds, end time), or None
+    without a work log."""
+    log = _work_log(backend)
+    if log is None:
+        return None
+    hi = gap[1]
+    lo = hi - gap[0]
+    return sum(
+        max(0.0, min(t1, hi) - max(t0, lo))
+        for t0, t1, kind, detail in log
+        if kind == "prefill" and detail[0] == request_id
+    )
+
+
+def _round_times(backend, lo: float, hi: float, size: int) -> list[float]:
+    """Seconds of each round of `size` requests the worker ran between `lo` and `hi` (a
+    round that began before `lo` included: the one a stream's first chunk came from)."""
+    log = _work_log(backend) or []
+    return [
+        t1 - t0
+        for t0, t1, kind, detail in log
+        if kind == "round" and detail[0] == size and lo <= t1 and t1 <= hi
+    ]
 
 
 def _slices(backend, request_id: str) -> dict | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import statistics
 import threading
 import time
 from collections import deque
@@ -37,12 +38,15 @@ log = logging.getLogger("sanctum.scheduler")
 
 # Prompt tokens prefilled per turn of the worker loop before the decoding requests get a round,
 # and fewer when they would take longer than PREFILL_SLICE_S, or, while others decode, than their
-# last turn of rounds took, judged by the cost per token of the request's last slice: attention
+# turn of rounds takes (TURNS_KEPT), judged by the cost per token of the request's last slice: attention
 # makes each token dearer as the context grows.
 # (ServeSettings.prefill_slice, prefill_slice_ms: SANCTUM_PREFILL_SLICE, SANCTUM_PREFILL_SLICE_MS)
 PREFILL_SLICE = 512
 PREFILL_SLICE_S = 0.25
 MIN_PREFILL_SLICE = 64  # a forward has a fixed cost too: fewer tokens would mostly pay that
+# a slice while others decode is sized to the median of their last few turns of rounds: one
+# long turn (a round of wide looked-up blocks) does not double the next slice
+TURNS_KEPT = 5
 # A prompt of at most this many drafted blocks' tokens, arriving while others decode in shared
 # rounds, rides in their rounds whole (a block's rows a round) instead of a prefill between
 # them: its first token comes a round or two later, the others' streams never pause for it.
@@ -137,7 +141,7 @@ class Scheduler:
         self.prefill_slice_s = prefill_slice_s
         self._token_cost: dict[str, float] = {}  # request id -> seconds a token, its last slice
         self._last_token_cost: float | None = None  # any request's: for a first slice
-        self._turn_s: float | None = None  # the last turn of the decoding requests' rounds
+        self._turns: deque[float] = deque(maxlen=TURNS_KEPT)  # the decoding requests' last turns
         self._tickets: dict[str, Ticket] = {}
         self._accepting = True
         self._stopped = False
@@ -305,7 +309,7 @@ class Scheduler:
                         with self._logged("round", detail := [1, 0]):
                             detail[1] = self._round(request_id)
             if self._active:  # the decoding requests' turn: what a prefill slice may add to it
-                self._turn_s = time.perf_counter() - t0
+                self._turns.append(time.perf_counter() - t0)
 
     def _rounds_batched(self) -> None:
         """One round of every decoding request, up to `max_batch` of them in each shared
@@ -391,14 +395,15 @@ class Scheduler:
 
     def _slice(self, request_id: str) -> int:
         """Prompt tokens for the request's next slice: PREFILL_SLICE, or what fits the time:
-        `prefill_slice_s`, and while other requests decode no longer than their last turn of
-        rounds took, so a slice at most doubles the gap between their chunks."""
+        `prefill_slice_s`, and while other requests decode no longer than their turn of rounds
+        takes (the median of their last few), so a slice at most doubles the gap between their
+        chunks."""
         cost = self._token_cost.get(request_id, self._last_token_cost)
         if not cost:
             return self.prefill_slice
         budget = self.prefill_slice_s
-        if self._active and self._turn_s:
-            budget = min(budget, self._turn_s)
+        if self._active and self._turns:
+            budget = min(budget, statistics.median(self._turns))
         fits = int(budget / cost)
         return max(min(MIN_PREFILL_SLICE, self.prefill_slice), min(self.prefill_slice, fits))
 
