@@ -9,16 +9,19 @@
 # goes to $OUT/STEP.err, and $OUT/steps.txt says how each step ended. Steps, most important
 # first, each under its own `timeout` (a hang costs that step only):
 #   build        the seed-shaped pair (bench seed --build-only; reused under SEED_DIR)
+#   qmm-wide     the wide 4-bit kernel's check and a chain of the seed's MLP products at 1..64
+#                rows: one wide call, 16 rows a call, MLX's (the weights read once or per 16)
 #   seed-steady  bench batch --steady at 1,4,8 on it: round ms, tok/s vs one, the phases, the
 #                op counts (COUNT), every output judged against plain greedy (near-tie verdicts);
 #                then the same levels with acceptance forced to tau 5 (random weights accept none)
 #   default-served  bench batch --concurrency 1,4,8 --warm on the default pair, served inline
-#   default-gaps  bench gaps --warm on the default pair: a running stream's worst gap as streams
-#                2..8 join, and the running streams' worst gap while a ~4K prompt is prefilled
-#   seed-trace   bench round-trace at 1,4,8 on it: each piece of a round timed and op-counted
-#   default-steady  the same as seed-steady on the default pair
 #   cuda-tests   the CUDA tests and the greedy-equality tests judged up to a near tie there
 #                (pytest, which the machine must have: prepare-mlx-cuda.sh can carry it)
+#   default-gaps  bench gaps --warm on the default pair: a running stream's worst gap as streams
+#                2..8 join, and the running streams' worst gap while a ~4K prompt is prefilled
+#   seed-split   seed-steady's real levels again with SANCTUM_QMM_WIDE=off (16 rows a call)
+#   seed-trace   bench round-trace at 1,4,8 on it: each piece of a round timed and op-counted
+#   default-steady  the same as seed-steady on the default pair
 # MLX builds its CUDA kernels at first use (~150 s on a fresh machine), kept under
 # MLX_PTX_CACHE_DIR for later runs. A step starts only while DEADLINE (default 530) seconds
 # have not passed. QUICK=1 shrinks everything (the small seed shape at 2 layers, few rounds):
@@ -81,6 +84,20 @@ print(json.dumps({"python": sys.version.split()[0], "mlx": mx.__version__,
 STEPS=${STEPS:-}
 [ -z "$STEPS" ] || case " $STEPS " in *" seed-"*) STEPS="$STEPS build" ;; esac
 step build 300 "${bench[@]}" seed --build-only --json --dir "$seed_dir" "${seed_args[@]}"
+step qmm-wide 120 "$py" -c 'import json
+from sanctum.engine.kernels import cuda, qmm_cuda as q
+if not cuda.is_cuda():
+    raise SystemExit(print(json.dumps({"skipped": "not on CUDA"})))
+verdict = q.wide_verdict() or "ok"
+print(json.dumps({"wide_verdict": verdict}), flush=True)
+split = lambda x, *w: q.rows_qmm(x, *w, wide=False)
+for rows in (1, 8, 16, 24, 40, 64):
+    row = {"rows": rows, "mlx_ms": round(q.chain_ms(q.reference, rows=rows), 3)}
+    if rows > 1:
+        row["split_ms"] = round(q.chain_ms(split, rows=rows), 3)
+    if rows > q.MAX_ROWS and verdict == "ok":
+        row["wide_ms"] = round(q.chain_ms(q.wide_rows_qmm, rows=rows), 3)
+    print(json.dumps(row), flush=True)'
 pair=$("$py" -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "\"build\"" in l and "target" in l]
 print(rows[-1]["target"], rows[-1]["drafter"]) if rows else None' "$lines")
@@ -92,14 +109,16 @@ if [ -n "$pair" ]; then
     --force-tau 0,5
 fi
 step default-served 150 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --json
-step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"
-if [ -n "$pair" ]; then
-  step seed-trace 150 "${bench[@]}" round-trace --model "$target" --drafter "$drafter" \
-    --passes "$passes" --warm-rounds "$warm" --lines
-fi
-step default-steady 120 "${bench[@]}" batch "${steady[@]}"
 cuda_tests=(tests/engine/test_cuda.py tests/engine/test_lookup.py tests/engine/test_batch_rounds.py)
 # (pytest's report is not JSON: it goes to cuda-tests.err)
 step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovider -rf \
   -k "not cluster and not scheduler" "${cuda_tests[@]}"
+step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"
+if [ -n "$pair" ]; then
+  step seed-split 240 env SANCTUM_QMM_WIDE=off "${bench[@]}" batch --model "$target" \
+    --drafter "$drafter" "${steady[@]}"
+  step seed-trace 150 "${bench[@]}" round-trace --model "$target" --drafter "$drafter" \
+    --passes "$passes" --warm-rounds "$warm" --lines
+fi
+step default-steady 120 "${bench[@]}" batch "${steady[@]}"
 echo "figures: $lines"

@@ -167,6 +167,7 @@ class DeviceSettings:
     gdn_kernel: str = var("SANCTUM_GDN_KERNEL", "auto")  # off: the MLX path on CUDA
     qmm_kernel: str = var("SANCTUM_QMM_KERNEL", "auto")  # off: MLX's 4-bit matmul on CUDA
     qmm_split_rows: int = var("SANCTUM_QMM_SPLIT_ROWS", 64, int)  # most rows through it
+    qmm_wide: str = var("SANCTUM_QMM_WIDE", "auto")  # off: 16 rows a call past 16 rows
     draft_kernels: str = var("SANCTUM_DRAFT_KERNELS", "auto")  # off: MLX's ops on CUDA
     fused_projections: str = var("SANCTUM_FUSED_PROJECTIONS", "on")  # off: each on its own
     cpu_jit: str = var("SANCTUM_CPU_JIT", "native")  # off: MLX's own compiler command

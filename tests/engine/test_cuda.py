@@ -28,6 +28,14 @@ def test_few_row_qmm_kernel_matches_mlx():
     assert qmm_cuda.check(shapes=((17408, 5120), (5120, 17408)), rows=(2, 8, 16)) is None
 
 
+def test_wide_qmm_kernel_matches_mlx():
+    """The wide variant (17..64 rows in one call) against MLX's quantized matmul, at a shared
+    verify's row counts, its check's shapes and the seed target's MLP shapes."""
+    assert qmm_cuda.check(qmm_cuda.wide_rows_qmm, rows=(17, 24, 33, 40, 57, 64)) is None
+    shapes = ((17408, 5120), (5120, 17408))
+    assert qmm_cuda.check(qmm_cuda.wide_rows_qmm, shapes=shapes, rows=(24, 64)) is None
+
+
 def test_cuda_paths_end_to_end():
     """bench cuda: kernel checks, the Q8 fallback, rollback and lossless greedy with the kernel."""
     from sanctum.bench.cuda import run

@@ -62,6 +62,36 @@ def test_few_rows_go_to_the_kernel_and_outputs_agree(monkeypatch):
         )
 
 
+def test_with_the_wide_kernel_a_shared_verify_takes_one_call(monkeypatch):
+    """Once the wide variant passed its check (`WIDE`), 17..64 rows go to it in one call (the
+    weights read once), 2..16 still to the few-row kernel, one row and 65 to MLX's."""
+    calls = []
+
+    def standin(kind):
+        def fn(x, w, scales, biases):
+            calls.append((kind, x.shape[0]))
+            return qmm_cuda.reference(x, w, scales, biases)
+
+        return fn
+
+    monkeypatch.setattr(qmm_cuda, "small_qmm", standin("small"))
+    monkeypatch.setattr(qmm_cuda, "wide_qmm", standin("wide"))
+    monkeypatch.setattr(qmm_cuda, "WIDE", True)
+    layer = _layer()
+    xs = {rows: mx.random.normal((1, rows, 512)).astype(mx.bfloat16) for rows in (1, 8, 17, 64, 65)}
+    want = {rows: layer(x) for rows, x in xs.items()}
+    qmm_cuda.install(layer)
+    got = {rows: layer(x) for rows, x in xs.items()}
+    assert calls == [("small", 8), ("wide", 17), ("wide", 64)]
+    for rows in xs:
+        np.testing.assert_array_equal(
+            np.array(got[rows].astype(mx.float32)), np.array(want[rows].astype(mx.float32))
+        )
+    calls.clear()  # a wrong wide kernel is caught by the check its verdict runs
+    monkeypatch.setattr(qmm_cuda, "wide_qmm", lambda x, *wq: qmm_cuda.reference(x, *wq) * 1.5)
+    assert "max error" in qmm_cuda.check(qmm_cuda.wide_rows_qmm, rows=(17, 40))
+
+
 def test_check_accepts_the_reference_and_catches_a_bad_kernel():
     assert qmm_cuda.check(qmm_cuda.reference) is None
 

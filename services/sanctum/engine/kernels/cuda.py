@@ -19,8 +19,9 @@ load, and said loudly (log lines, and `report()` for the benchmarks).
 - 4-bit matmuls of 2..16 rows (a verify block, the draft head): qmm_cuda.py's kernel, which
   reads the weights once for all rows (MLX CUDA's runs a one-row kernel per row there);
   a shared verify's 17..64 rows too, 16 a call, checked the same way, correct and faster than
-  MLX's, before it is used (`prepare_linear`; figures: docs/performance.md);
-  SANCTUM_QMM_KERNEL=off keeps MLX's for all. (The narrow GDN gate projections, which MLX
+  MLX's, before it is used (`prepare_linear`; figures: docs/performance.md), or all of them in
+  one call by its wide variant once that passed its own check and speed gate against 16 a
+  call (SANCTUM_QMM_WIDE=off keeps 16 a call); SANCTUM_QMM_KERNEL=off keeps MLX's for all. (The narrow GDN gate projections, which MLX
   sends to a naive kernel at several rows, are fused with their siblings: engine/kernels/fused.py.)
 - A draft layer's block attention and DFlash 2 convolutions: draft_cuda.py's kernels, checked
   the same way on the body's own shapes (`prepare_drafter`); SANCTUM_DRAFT_KERNELS=off keeps
@@ -174,6 +175,7 @@ def prepare_linear(model) -> None:
         print(f"sanctum: few-row 4-bit kernel disabled: {result}", file=sys.stderr)
         return
     qmm_cuda.SPLIT_ROWS = settings.device().qmm_split_rows
+    _prepare_wide()
     layers = qmm_cuda.install(model)
     _qmm["layers"] += layers  # over every model this process loaded (report())
     log.info(
@@ -181,6 +183,21 @@ def prepare_linear(model) -> None:
         layers,
         _qmm["layers"],
     )
+
+
+def _prepare_wide() -> None:
+    """The wide variant (17..64 rows in one call, the weights read once) once its own check and
+    speed gate passed on this GPU; a failure leaves the 16-rows-a-call path as it was."""
+    if settings.device().qmm_wide == "off":
+        _qmm["wide"] = "off (SANCTUM_QMM_WIDE=off)"
+        return
+    source = (qmm_cuda.WIDE_HEADER + qmm_cuda.WIDE_SOURCE).encode()
+    key = f"mlx {mx.__version__} qmm wide {hashlib.sha1(source).hexdigest()[:12]}"
+    result = _child_verdict(key, ["sanctum.engine.kernels.qmm_cuda", "wide"])
+    _qmm["wide"] = result or "ok"
+    qmm_cuda.WIDE = result is None
+    if result is not None:
+        log.warning("wide 4-bit matmul kernel not used: %s", result)
 
 
 _draft = {"verdict": "not checked", "attention_layers": 0, "conv_layers": 0}

@@ -18,8 +18,9 @@ mlx-lm's.
 
 Contract: `small_qmm(x [M, K], w, scales, biases)` == `mx.quantized_matmul(x, w, scales,
 biases, transpose=True, group_size=64, bits=4)` within bfloat16 rounding, for 2 <= M <= 16,
-K % 128 == 0, N % 16 == 0. Used only after `check` agreed on this GPU at load and it was faster
-than MLX's there (engine/kernels/cuda.py).
+K % 128 == 0, N % 16 == 0; `wide_qmm` the same for 16 < M <= 64, in one call. Each used only
+after its check agreed on this GPU at load and it was faster than what it replaces there
+(engine/kernels/cuda.py).
 """
 
 from __future__ import annotations
@@ -187,6 +188,101 @@ SOURCE = """
 """
 _kernel = None
 
+# The wide variant (`wide_qmm`, 17..WIDE_ROWS rows in one call: a shared verify's 24-64 rows):
+# the same tiles, mmas and reduction, but the x rows are read inside a tile's loop, one 16-byte
+# word of each 8-row tile at a time, instead of all of them ahead (8 row tiles of prefetched x
+# would not fit a thread's registers); the weights, the stream that matters, are still
+# prefetched a tile ahead. So the weights are read once for all the rows, not once per 16.
+WIDE_HEADER = (
+    HEADER
+    + """
+struct SanctumWeights {
+  uint4 qa, qb;
+  uint32_t sa, sb, ba, bb;
+};
+
+__device__ __forceinline__ void sanctum_load_weights(
+    SanctumWeights& q, int k, const uint4* wa, const uint4* wb, const uint16_t* sa,
+    const uint16_t* sb, const uint16_t* ba, const uint16_t* bb) {
+  q.qa = wa[k / 32];
+  q.qb = wb[k / 32];
+  q.sa = sanctum_pair(sa[k / 64]);
+  q.sb = sanctum_pair(sb[k / 64]);
+  q.ba = sanctum_pair(ba[k / 64]);
+  q.bb = sanctum_pair(bb[k / 64]);
+}
+
+// sanctum_mma_tile's mmas with x read here: for each of the lane's 4 words of 8 k, the word of
+// every row tile, then the two halves' mmas over the row tiles.
+template <int M, int K, int NT>
+__device__ __forceinline__ void sanctum_mma_wide(
+    const SanctumWeights& q, int k, int g, const uint16_t* x, float (&c)[NT][4]) {
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint4 xs[NT];
+    #pragma unroll
+    for (int h = 0; h < NT; ++h) {
+      const int m = g + 8 * h;
+      xs[h] = m < M ? reinterpret_cast<const uint4*>(x + (size_t)m * K + k)[i]
+                    : make_uint4(0u, 0u, 0u, 0u);
+    }
+    const uint32_t ua = sanctum_word(q.qa, i);
+    const uint32_t ub = sanctum_word(q.qb, i);
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = 2 * half;
+      const uint32_t a0 = sanctum_dequant(ua, 4 * r, q.sa, q.ba);
+      const uint32_t a1 = sanctum_dequant(ub, 4 * r, q.sb, q.bb);
+      const uint32_t a2 = sanctum_dequant(ua, 4 * r + 4, q.sa, q.ba);
+      const uint32_t a3 = sanctum_dequant(ub, 4 * r + 4, q.sb, q.bb);
+      #pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        const uint32_t lo = sanctum_word(xs[h], half);
+        const uint32_t hi = sanctum_word(xs[h], half + 2);
+        const uint32_t b0 = __byte_perm(lo, hi, 0x5410);
+        const uint32_t b1 = __byte_perm(lo, hi, 0x7632);
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(c[h][0]), "+f"(c[h][1]), "+f"(c[h][2]), "+f"(c[h][3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      }
+    }
+  }
+}
+"""
+)
+
+WIDE_SOURCE = SOURCE.replace(
+    """    SanctumTile<NT> cur, nxt;
+    int tile = warp;
+    if (tile < TILES) {
+      sanctum_load_tile<M, K, NT>(cur, tile * 128 + 32 * t, g, wa, wb, sa, sb, ba, bb, x);
+    }
+    for (; tile < TILES; tile += WARPS) {
+      if (tile + WARPS < TILES) {
+        sanctum_load_tile<M, K, NT>(
+            nxt, (tile + WARPS) * 128 + 32 * t, g, wa, wb, sa, sb, ba, bb, x);
+      }
+      sanctum_mma_tile<NT>(cur, c);
+      cur = nxt;
+    }""",
+    """    SanctumWeights cur, nxt;
+    int tile = warp;
+    if (tile < TILES) {
+      sanctum_load_weights(cur, tile * 128 + 32 * t, wa, wb, sa, sb, ba, bb);
+    }
+    for (; tile < TILES; tile += WARPS) {
+      if (tile + WARPS < TILES) {
+        sanctum_load_weights(nxt, (tile + WARPS) * 128 + 32 * t, wa, wb, sa, sb, ba, bb);
+      }
+      sanctum_mma_wide<M, K, NT>(cur, tile * 128 + 32 * t, g, x, c);
+      cur = nxt;
+    }""",
+)
+assert WIDE_SOURCE != SOURCE
+_wide_kernel = None
+
 
 def supported(module: nn.Module) -> bool:
     """A 4-bit, group-64 affine QuantizedLinear in bfloat16 whose shape the kernel tiles."""
@@ -226,6 +322,40 @@ def small_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> m
     M, K = x.shape
     N = w.shape[0]
     (y,) = _kernel(
+        inputs=[
+            mx.view(x, mx.uint16),
+            w,
+            mx.view(scales, mx.uint16),
+            mx.view(biases, mx.uint16),
+        ],
+        template=[("M", M), ("K", K), ("N", N), ("WARPS", WARPS)],
+        grid=(32, WARPS * (N // FEATURES), 1),
+        threadgroup=(32, WARPS, 1),
+        output_shapes=[(M, N)],
+        output_dtypes=[mx.uint16],
+    )
+    return mx.view(y, mx.bfloat16)
+
+
+WIDE_ROWS = 64  # the most rows `wide_qmm` takes in one call
+WIDE = False  # rows_qmm sends 17..WIDE_ROWS rows to wide_qmm: set by cuda.prepare_linear
+
+
+def wide_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
+    """`small_qmm` for x [M, K] of MAX_ROWS < M <= WIDE_ROWS rows, in one call (the weights
+    read once for all of them)."""
+    global _wide_kernel
+    if _wide_kernel is None:
+        _wide_kernel = mx.fast.cuda_kernel(
+            name="sanctum_wide_qmm",
+            input_names=["x", "w", "scales", "biases"],
+            output_names=["y"],
+            source=WIDE_SOURCE,
+            header=WIDE_HEADER,
+        )
+    M, K = x.shape
+    N = w.shape[0]
+    (y,) = _wide_kernel(
         inputs=[
             mx.view(x, mx.uint16),
             w,
@@ -287,12 +417,15 @@ def _through_kernel(x: mx.array, w, scales, biases) -> mx.array | None:
 SPLIT_ROWS = 64  # SANCTUM_QMM_SPLIT_ROWS, set by cuda.prepare_linear
 
 
-def rows_qmm(x: mx.array, w, scales, biases) -> mx.array:
+def rows_qmm(x: mx.array, w, scales, biases, wide: bool | None = None) -> mx.array:
     """`small_qmm` for x [M, K] of 2..SPLIT_ROWS rows: MAX_ROWS rows a call (a last call of one
-    row borrows one from the call before: the kernel takes 2 or more)."""
+    row borrows one from the call before: the kernel takes 2 or more), or with `wide` (default
+    WIDE) up to WIDE_ROWS rows in one `wide_qmm` call."""
     rows = x.shape[0]
     if rows <= MAX_ROWS:
         return small_qmm(x, w, scales, biases)
+    if (WIDE if wide is None else wide) and rows <= WIDE_ROWS:
+        return wide_qmm(x, w, scales, biases)
     cuts = list(range(0, rows, MAX_ROWS)) + [rows]
     if cuts[-1] - cuts[-2] == 1:
         cuts[-2] -= 1
@@ -377,6 +510,23 @@ def chain_ms(fn, rows: int = 8, pairs: int = 8, reps: int = 5) -> float:
     return median_ms(run, reps)
 
 
+def wide_rows_qmm(x: mx.array, w, scales, biases) -> mx.array:
+    """`rows_qmm` with the wide kernel on (its check's and speed gate's subject)."""
+    return rows_qmm(x, w, scales, biases, wide=True)
+
+
+def wide_verdict() -> str | None:
+    """`check` of the wide kernel at 17..WIDE_ROWS rows, then its speed gate: used only where
+    WIDE_ROWS rows in one call beat MAX_ROWS rows a call (a chain of MLP-shaped products)."""
+    if (result := check(wide_rows_qmm, rows=(17, 24, 33, 40, 57, 64))) is not None:
+        return result
+    ours = chain_ms(wide_rows_qmm, rows=WIDE_ROWS)
+    split = chain_ms(lambda x, *wq: rows_qmm(x, *wq, wide=False), rows=WIDE_ROWS)
+    if not ours < 0.95 * split:
+        return f"not faster than {MAX_ROWS} rows a call at {WIDE_ROWS}: {ours:.2f} against {split:.2f} ms"
+    return None
+
+
 def verdict() -> str | None:
     """`check`, then the speed gate: the kernel is used only where it beats MLX's own matmul
     at 8 rows on this GPU (a kernel that agrees but is slower would only cost time)."""
@@ -389,5 +539,5 @@ def verdict() -> str | None:
 
 
 if __name__ == "__main__":  # engine/kernels/cuda.py runs the checks here, in a child process
-    print(json.dumps({"verdict": verdict()}))
+    print(json.dumps({"verdict": wide_verdict() if sys.argv[1:] == ["wide"] else verdict()}))
     sys.exit(0)
