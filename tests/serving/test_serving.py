@@ -199,12 +199,12 @@ def test_prefill_slices_shrink_to_fit_their_time():
     take longer than prefill_slice_s, or, while others decode, than their turn of rounds (the
     median of their last few: one long turn does not double the next slice; attention makes
     tokens dearer as the context grows)."""
-    from sanctum.serving.scheduler import Scheduler
+    from sanctum.serving.scheduler import MIN_PREFILL_SLICE, Scheduler
 
     sched = Scheduler(lambda: None, prefill_slice=512)
     sched.prefill_slice_s = 0.25
     assert sched._slice("new") == 512  # nothing measured yet
-    for cost, tokens in ((1e-6, 512), (1e-3, 250), (0.1, 64)):
+    for cost, tokens in ((1e-6, 512), (1e-3, 250), (0.1, MIN_PREFILL_SLICE)):
         sched._token_cost["r"] = cost
         assert sched._slice("r") == tokens
     sched._last_token_cost = 1e-3  # a first slice goes by the last one measured
@@ -220,7 +220,7 @@ def test_prefill_slices_shrink_to_fit_their_time():
     sched._turns.extend([0.2] * 5)  # the last few all long: so are the slices
     assert sched._slice("r") == 400
     sched._token_cost["r"] = 1e-2  # at least MIN_PREFILL_SLICE
-    assert sched._slice("r") == 64
+    assert sched._slice("r") == MIN_PREFILL_SLICE
     sched._active.clear()
     sched.shutdown()
 

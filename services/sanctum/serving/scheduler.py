@@ -43,7 +43,10 @@ log = logging.getLogger("sanctum.scheduler")
 # (ServeSettings.prefill_slice, prefill_slice_ms: SANCTUM_PREFILL_SLICE, SANCTUM_PREFILL_SLICE_MS)
 PREFILL_SLICE = 512
 PREFILL_SLICE_S = 0.25
-MIN_PREFILL_SLICE = 64  # a forward has a fixed cost too: fewer tokens would mostly pay that
+# a forward has a fixed cost too: fewer tokens would mostly pay that; past the compiled row
+# counts (gdn.COMPILE_MAX_ROWS), whose first use of each count traces a graph. Small enough that
+# a slice between the running streams' rounds costs them about one round (docs/performance.md)
+MIN_PREFILL_SLICE = 40
 # a slice while others decode is sized to the median of their last few turns of rounds: one
 # long turn (a round of wide looked-up blocks) does not double the next slice
 TURNS_KEPT = 5
