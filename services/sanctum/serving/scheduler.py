@@ -38,14 +38,15 @@ log = logging.getLogger("sanctum.scheduler")
 
 # Prompt tokens prefilled per turn of the worker loop before the decoding requests get a round,
 # and fewer when they would take longer than PREFILL_SLICE_S, or, while others decode, than their
-# turn of rounds takes (TURNS_KEPT), judged by the cost per token of the request's last slice: attention
-# makes each token dearer as the context grows.
+# turn of rounds takes (TURNS_KEPT), judged by the cost per token of the request's last slice:
+# attention makes each token dearer as the context grows.
 # (ServeSettings.prefill_slice, prefill_slice_ms: SANCTUM_PREFILL_SLICE, SANCTUM_PREFILL_SLICE_MS)
 PREFILL_SLICE = 512
 PREFILL_SLICE_S = 0.25
-# a forward has a fixed cost too: fewer tokens would mostly pay that; past the compiled row
-# counts (gdn.COMPILE_MAX_ROWS), whose first use of each count traces a graph. Small enough that
-# a slice between the running streams' rounds costs them about one round (docs/performance.md)
+# a forward has a fixed cost too: fewer tokens would mostly pay that; and above the row counts
+# that run compiled (gdn.COMPILE_MAX_ROWS), where each new count would trace a graph. Small
+# enough that a slice between the running streams' rounds costs them about one round
+# (docs/performance.md)
 MIN_PREFILL_SLICE = 40
 # a slice while others decode is sized to the median of their last few turns of rounds: one
 # long turn (a round of wide looked-up blocks) does not double the next slice
