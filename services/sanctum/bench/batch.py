@@ -135,7 +135,7 @@ def _serve(backend, requests: list, clients: int) -> tuple[float, dict]:
     return time.perf_counter() - t0, out
 
 
-def steady(args, levels: list[int]) -> dict:
+def steady(args, levels: list[int], taus: list[int] = (0,)) -> dict:
     """Shared rounds in steady state (`BatchDecoder.step_batch`; one sequence: `step`), greedy,
     the block of the model flags: at each concurrency N the first N prompts prefilled,
     `args.warm_rounds` rounds untimed, then `args.steady` rounds timed. Per level: ms a round
@@ -143,7 +143,8 @@ def steady(args, levels: list[int]) -> dict:
     one sequence's, tau, MLX's peak memory, and with `--phases` the split of a round
     (`_phases`), with `--count-ops` what a round hands to MLX (`count_rounds`); every
     sequence's tokens checked against plain greedy decoding of its prompt, equal or equal up
-    to the plain run's first near tie (neartie.py)."""
+    to the plain run's first near tie (neartie.py). Every level again at each forced tau of
+    `taus` (0: the real acceptance; forced rounds' outputs are not checked)."""
     import mlx.core as mx
 
     from ..engine.decode.generate import make_key
@@ -157,7 +158,6 @@ def steady(args, levels: list[int]) -> dict:
     target, drafter = load_models(settings)
     if drafter is None:
         raise ValueError("bench batch --steady needs a drafter")
-    taus = [int(t) for t in str(args.force_tau).split(",")]
 
     def decoder_at(tau: int) -> BatchDecoder:
         if not tau:
@@ -341,7 +341,7 @@ def run(args) -> dict:
             )
         if min(args.phases, args.count_ops, args.warm_rounds) < 0 or args.steady < 0:
             raise ValueError("--steady, --phases, --count-ops and --warm-rounds must be >= 0")
-        return steady(args, sorted({int(c) for c in args.concurrency.split(",")} | {1}))
+        return steady(args, sorted({int(c) for c in args.concurrency.split(",")} | {1}), taus)
     from ..serving.inline import InlineBackend
     from ..serving.requests import GenerateRequest
     from ..settings import model_flags, serve_settings
