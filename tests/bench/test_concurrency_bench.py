@@ -106,6 +106,28 @@ def test_bench_batch_steady_forces_acceptance(make_pair, capsys):
     assert forced[0]["tok_s_vs_one"] == 1.0  # each tau's levels against its own one
 
 
+def test_bench_batch_serves_each_level_in_repeated_passes(make_pair, capsys):
+    """--repeats 2: every level served twice (the second pass in reverse), the medians
+    reported with each pass's figures and its ratio to its own one stream; every output equal
+    to alone in every pass."""
+    from sanctum.cli import main
+
+    target_dir, drafter_dir = make_pair("hybrid", "dflash")
+    argv = ["bench", "batch", "--model", str(target_dir), "--drafter", str(drafter_dir),
+            "--concurrency", "1,2", "--max-tokens", "8", "--repeats", "2", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["repeats"] == 2 and out["all_outputs_equal_alone"]
+    levels = out["levels"]
+    assert [(r["concurrency"], r["max_batch"]) for r in levels] == [(1, 2), (2, 2), (2, 1)]
+    for row in levels:
+        runs = row["aggregate_tok_s_runs"]
+        assert len(runs) == 2 and min(runs) <= row["aggregate_tok_s"] <= max(runs)
+        assert len(row["aggregate_vs_one_runs"]) == 2
+    assert levels[0]["aggregate_vs_one_runs"] == [1.0, 1.0]
+    assert main([*argv[:-3], "--repeats", "0", "--json"]) != 0  # refused
+
+
 def test_bench_batch_steady_budget_outlives_its_rounds_and_reports_early_ends(
     make_pair, capsys, monkeypatch
 ):

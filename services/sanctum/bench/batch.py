@@ -104,6 +104,13 @@ def add_parser(bsub) -> None:
     p.add_argument(
         "--lines", action="store_true", help="with --steady: a JSON line per level as it ends"
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="serve every level this many times, in reverse every other time (medians "
+        "reported, each pass's figures and its ratios to its own one stream beside them)",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -323,6 +330,21 @@ def _round(decoder, seqs: list, key, out: list[list[int]], accepted: list[int] |
     return steps
 
 
+def _level(clients: int, width: int, runs: list[dict]) -> dict:
+    """A level's row from its passes: each figure the median over them (the first pass's
+    cold wall), outputs equal to alone in every pass, and with several passes each one's
+    aggregate tok/s."""
+    row = {"concurrency": clients, "max_batch": width}
+    for name in ("aggregate_tok_s", "per_request_tok_s", "ttft_ms", "tau", "wall_s"):
+        row[name] = round(statistics.median(r[name] for r in runs), 3)
+    row["completion_tokens"] = runs[0]["completion_tokens"]
+    row["outputs_equal_alone"] = all(r["outputs_equal_alone"] for r in runs)
+    row["cold_wall_s"] = runs[0]["cold_wall_s"]
+    if len(runs) > 1:
+        row["aggregate_tok_s_runs"] = [r["aggregate_tok_s"] for r in runs]
+    return row
+
+
 def run(args) -> dict:
     try:
         taus = [int(t) for t in str(args.force_tau).split(",")]
@@ -330,6 +352,8 @@ def run(args) -> dict:
         raise ValueError(f"--force-tau takes integers, got {args.force_tau!r}") from None
     if min(taus) < 0:
         raise ValueError(f"--force-tau must be >= 1 (0: the real acceptance), got {args.force_tau}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if (args.phases or args.count_ops or any(taus)) and not args.steady:
         raise ValueError(
             "--phases, --count-ops and --force-tau are for --steady's rounds: give --steady"
@@ -374,44 +398,53 @@ def run(args) -> dict:
     try:
         backend.ready(300)
         _serve(backend, requests[:1], 1)  # warm-up: compiled graphs, BLAS threads
-        rows, alone = [], None
+        alone = None
         # each level batched, then (inline) the largest one again without shared rounds (the
-        # round-robin of one request's round at a time), in the same run
+        # round-robin of one request's round at a time), in the same run; with --repeats, the
+        # whole plan again, in reverse every other time (a machine's drift falls on both ends)
         plan = [(c, max(levels)) for c in levels] + ([] if args.cluster else [(max(levels), 1)])
-        for clients, width in plan:
-            if not args.cluster:
-                backend.scheduler.max_batch = width  # read between rounds; idle here
-            cold_s = None
-            if args.warm:  # a first pass traces and compiles each new [sequences, rows] shape
-                cold_s = round(_serve(backend, requests, clients)[0], 3)
-            wall, out = _serve(backend, requests, clients)
-            tokens = {i: toks for i, (toks, _) in out.items()}
-            if alone is None:
-                alone = tokens
-            usages = [u for _, u in out.values()]
-            total = sum(u.completion_tokens for u in usages)
-            rows.append(
-                {
-                    "concurrency": clients,
-                    "max_batch": width,
-                    "aggregate_tok_s": round(total / wall, 1),
-                    "per_request_tok_s": round(
-                        sum(u.completion_tokens / u.elapsed_s for u in usages) / len(usages), 1
-                    ),
-                    "ttft_ms": round(1000 * sum(u.ttft_s for u in usages) / len(usages), 1),
-                    "tau": round(sum(u.tau for u in usages) / len(usages), 3),
-                    "completion_tokens": total,
-                    "wall_s": round(wall, 3),
-                    "outputs_equal_alone": tokens == alone,
-                    "cold_wall_s": cold_s,  # the same requests once before, untimed (--warm)
-                }
-            )
-        base = rows[0]["aggregate_tok_s"]
-        for row in rows:
-            row["aggregate_vs_one"] = round(row["aggregate_tok_s"] / base, 2)
+        runs: dict[tuple[int, int], list[dict]] = {step: [] for step in plan}
+        for rep in range(args.repeats):
+            for clients, width in plan if rep % 2 == 0 else plan[::-1]:
+                if not args.cluster:
+                    backend.scheduler.max_batch = width  # read between rounds; idle here
+                cold_s = None
+                if args.warm and rep == 0:  # a first pass traces and compiles each new shape
+                    cold_s = round(_serve(backend, requests, clients)[0], 3)
+                wall, out = _serve(backend, requests, clients)
+                tokens = {i: toks for i, (toks, _) in out.items()}
+                if alone is None:
+                    alone = tokens
+                usages = [u for _, u in out.values()]
+                total = sum(u.completion_tokens for u in usages)
+                runs[(clients, width)].append(
+                    {
+                        "aggregate_tok_s": round(total / wall, 1),
+                        "per_request_tok_s": round(
+                            sum(u.completion_tokens / u.elapsed_s for u in usages) / len(usages),
+                            1,
+                        ),
+                        "ttft_ms": round(1000 * sum(u.ttft_s for u in usages) / len(usages), 1),
+                        "tau": round(sum(u.tau for u in usages) / len(usages), 3),
+                        "completion_tokens": total,
+                        "wall_s": round(wall, 3),
+                        "outputs_equal_alone": tokens == alone,
+                        "cold_wall_s": cold_s,  # the same requests once before, untimed (--warm)
+                    }
+                )
+        rows = [_level(clients, width, runs[(clients, width)]) for clients, width in plan]
+        base = runs[plan[0]]
+        for row, step in zip(rows, plan):
+            row["aggregate_vs_one"] = round(row["aggregate_tok_s"] / rows[0]["aggregate_tok_s"], 2)
+            if args.repeats > 1:  # each pass's level against the same pass's one stream
+                row["aggregate_vs_one_runs"] = [
+                    round(r["aggregate_tok_s"] / b["aggregate_tok_s"], 2)
+                    for r, b in zip(runs[step], base)
+                ]
         top = rows[len(levels) - 1]["aggregate_tok_s"]
         return {
             "requests": count,
+            "repeats": args.repeats,
             "max_tokens": args.max_tokens,
             "block_size": settings.engine.block_size or "the drafter's",
             "temperature": args.temperature,
