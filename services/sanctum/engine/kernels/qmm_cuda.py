@@ -186,7 +186,7 @@ SOURCE = """
       }
     }
 """
-_kernel = None
+_kernels: dict[str, object] = {}  # name -> the built mx.fast.cuda_kernel
 
 # The wide variant (`wide_qmm`, 17..WIDE_ROWS rows in one call: a shared verify's 24-64 rows):
 # the same tiles, mmas and reduction, but the x rows are read inside a tile's loop, one 16-byte
@@ -281,7 +281,6 @@ WIDE_SOURCE = SOURCE.replace(
     }""",
 )
 assert WIDE_SOURCE != SOURCE
-_wide_kernel = None
 
 
 def supported(module: nn.Module) -> bool:
@@ -310,18 +309,24 @@ def reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> m
 
 def small_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
     """x [M, K] bfloat16 (2 <= M <= MAX_ROWS) @ the 4-bit weight's transpose -> [M, N] bf16."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="sanctum_small_qmm",
+    return _launch("sanctum_small_qmm", SOURCE, HEADER, x, w, scales, biases)
+
+
+def _launch(name: str, source: str, header: str, x: mx.array, w, scales, biases) -> mx.array:
+    """Run kernel `name` (built from `source` and `header` at its first call) on x [M, K]:
+    a thread block per FEATURES output features, WARPS warps splitting K."""
+    kernel = _kernels.get(name)
+    if kernel is None:
+        kernel = _kernels[name] = mx.fast.cuda_kernel(
+            name=name,
             input_names=["x", "w", "scales", "biases"],
             output_names=["y"],
-            source=SOURCE,
-            header=HEADER,
+            source=source,
+            header=header,
         )
     M, K = x.shape
     N = w.shape[0]
-    (y,) = _kernel(
+    (y,) = kernel(
         inputs=[
             mx.view(x, mx.uint16),
             w,
@@ -344,31 +349,7 @@ WIDE = False  # rows_qmm sends 17..WIDE_ROWS rows to wide_qmm: set by cuda.prepa
 def wide_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
     """`small_qmm` for x [M, K] of MAX_ROWS < M <= WIDE_ROWS rows, in one call (the weights
     read once for all of them)."""
-    global _wide_kernel
-    if _wide_kernel is None:
-        _wide_kernel = mx.fast.cuda_kernel(
-            name="sanctum_wide_qmm",
-            input_names=["x", "w", "scales", "biases"],
-            output_names=["y"],
-            source=WIDE_SOURCE,
-            header=WIDE_HEADER,
-        )
-    M, K = x.shape
-    N = w.shape[0]
-    (y,) = _wide_kernel(
-        inputs=[
-            mx.view(x, mx.uint16),
-            w,
-            mx.view(scales, mx.uint16),
-            mx.view(biases, mx.uint16),
-        ],
-        template=[("M", M), ("K", K), ("N", N), ("WARPS", WARPS)],
-        grid=(32, WARPS * (N // FEATURES), 1),
-        threadgroup=(32, WARPS, 1),
-        output_shapes=[(M, N)],
-        output_dtypes=[mx.uint16],
-    )
-    return mx.view(y, mx.bfloat16)
+    return _launch("sanctum_wide_qmm", WIDE_SOURCE, WIDE_HEADER, x, w, scales, biases)
 
 
 class FewRowsQuantizedLinear(nn.QuantizedLinear):
