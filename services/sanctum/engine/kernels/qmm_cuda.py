@@ -88,35 +88,48 @@ __device__ __forceinline__ uint32_t sanctum_word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// The 8 mmas (m16n8k16) of a 128-wide tile. k is permuted (a sum does not care): mma
-// 2 * i + half takes, from word i of a lane's 32 values, nibbles r, r + 4 (A's and B's first
-// register) and r + 1, r + 5 (their second), r = 2 * half; x is paired the same way by prmt.
+// The mmas of word i of a lane's 32 values (both halves): mma half takes, from the words `ua`
+// and `ub` of the two feature rows, nibbles r, r + 4 (A's and B's first register) and r + 1,
+// r + 5 (their second), r = 2 * half (k is permuted: a sum does not care); the x word `xs[h]` of
+// each row tile is paired the same way by prmt.
+template <int NT>
+__device__ __forceinline__ void sanctum_mma_word(
+    uint32_t ua, uint32_t ub, uint32_t sa, uint32_t sb, uint32_t ba, uint32_t bb,
+    const uint4 (&xs)[NT], float (&c)[NT][4]) {
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = 2 * half;
+    const uint32_t a0 = sanctum_dequant(ua, 4 * r, sa, ba);
+    const uint32_t a1 = sanctum_dequant(ub, 4 * r, sb, bb);
+    const uint32_t a2 = sanctum_dequant(ua, 4 * r + 4, sa, ba);
+    const uint32_t a3 = sanctum_dequant(ub, 4 * r + 4, sb, bb);
+    #pragma unroll
+    for (int h = 0; h < NT; ++h) {
+      const uint32_t lo = sanctum_word(xs[h], half);      // x_r, x_r+1
+      const uint32_t hi = sanctum_word(xs[h], half + 2);  // x_r+4, x_r+5
+      const uint32_t b0 = __byte_perm(lo, hi, 0x5410);  // (x_r, x_r+4)
+      const uint32_t b1 = __byte_perm(lo, hi, 0x7632);  // (x_r+1, x_r+5)
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+          "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+          : "+f"(c[h][0]), "+f"(c[h][1]), "+f"(c[h][2]), "+f"(c[h][3])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+  }
+}
+
+// The 8 mmas (m16n8k16) of a 128-wide tile, its x words loaded ahead.
 template <int NT>
 __device__ __forceinline__ void sanctum_mma_tile(const SanctumTile<NT>& q, float (&c)[NT][4]) {
   #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint32_t ua = sanctum_word(q.qa, i);
-    const uint32_t ub = sanctum_word(q.qb, i);
+    uint4 xs[NT];
     #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = 2 * half;
-      const uint32_t a0 = sanctum_dequant(ua, 4 * r, q.sa, q.ba);
-      const uint32_t a1 = sanctum_dequant(ub, 4 * r, q.sb, q.bb);
-      const uint32_t a2 = sanctum_dequant(ua, 4 * r + 4, q.sa, q.ba);
-      const uint32_t a3 = sanctum_dequant(ub, 4 * r + 4, q.sb, q.bb);
-      #pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        const uint32_t lo = sanctum_word(q.x[h][i], half);      // x_r, x_r+1
-        const uint32_t hi = sanctum_word(q.x[h][i], half + 2);  // x_r+4, x_r+5
-        const uint32_t b0 = __byte_perm(lo, hi, 0x5410);  // (x_r, x_r+4)
-        const uint32_t b1 = __byte_perm(lo, hi, 0x7632);  // (x_r+1, x_r+5)
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(c[h][0]), "+f"(c[h][1]), "+f"(c[h][2]), "+f"(c[h][3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-      }
+    for (int h = 0; h < NT; ++h) {
+      xs[h] = q.x[h][i];
     }
+    sanctum_mma_word<NT>(
+        sanctum_word(q.qa, i), sanctum_word(q.qb, i), q.sa, q.sb, q.ba, q.bb, xs, c);
   }
 }
 """
@@ -213,7 +226,7 @@ __device__ __forceinline__ void sanctum_load_weights(
 }
 
 // sanctum_mma_tile's mmas with x read here: for each of the lane's 4 words of 8 k, the word of
-// every row tile, then the two halves' mmas over the row tiles.
+// every row tile, then their mmas.
 template <int M, int K, int NT>
 __device__ __forceinline__ void sanctum_mma_wide(
     const SanctumWeights& q, int k, int g, const uint16_t* x, float (&c)[NT][4]) {
@@ -226,28 +239,8 @@ __device__ __forceinline__ void sanctum_mma_wide(
       xs[h] = m < M ? reinterpret_cast<const uint4*>(x + (size_t)m * K + k)[i]
                     : make_uint4(0u, 0u, 0u, 0u);
     }
-    const uint32_t ua = sanctum_word(q.qa, i);
-    const uint32_t ub = sanctum_word(q.qb, i);
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = 2 * half;
-      const uint32_t a0 = sanctum_dequant(ua, 4 * r, q.sa, q.ba);
-      const uint32_t a1 = sanctum_dequant(ub, 4 * r, q.sb, q.bb);
-      const uint32_t a2 = sanctum_dequant(ua, 4 * r + 4, q.sa, q.ba);
-      const uint32_t a3 = sanctum_dequant(ub, 4 * r + 4, q.sb, q.bb);
-      #pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        const uint32_t lo = sanctum_word(xs[h], half);
-        const uint32_t hi = sanctum_word(xs[h], half + 2);
-        const uint32_t b0 = __byte_perm(lo, hi, 0x5410);
-        const uint32_t b1 = __byte_perm(lo, hi, 0x7632);
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(c[h][0]), "+f"(c[h][1]), "+f"(c[h][2]), "+f"(c[h][3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-      }
-    }
+    sanctum_mma_word<NT>(
+        sanctum_word(q.qa, i), sanctum_word(q.qb, i), q.sa, q.sb, q.ba, q.bb, xs, c);
   }
 }
 """
