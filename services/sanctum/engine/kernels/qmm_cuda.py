@@ -134,7 +134,9 @@ __device__ __forceinline__ void sanctum_mma_tile(const SanctumTile<NT>& q, float
 }
 """
 
-SOURCE = """
+# The kernel in three parts: its set-up, its loop over K tiles, and the reduction across warps
+# and the rounded store; the wide variant (below) has a loop of its own between the same two.
+SOURCE_HEAD = """
     // One thread block per 16 output features; its warps split K in 128-wide tiles and
     // add their partial sums at the end. A lane (g = lane / 4, t = lane % 4) holds features
     // n0 + g and n0 + g + 8 and the x row g (+ 8 h): 32 consecutive k of each per tile.
@@ -156,6 +158,8 @@ SOURCE = """
     for (int h = 0; h < NT; ++h) {
       c[h][0] = c[h][1] = c[h][2] = c[h][3] = 0.0f;
     }
+"""
+SOURCE_LOOP = """
     SanctumTile<NT> cur, nxt;
     int tile = warp;
     if (tile < TILES) {
@@ -169,6 +173,8 @@ SOURCE = """
       sanctum_mma_tile<NT>(cur, c);
       cur = nxt;
     }
+"""
+SOURCE_TAIL = """
     __shared__ float red[WARPS][NT * 4][32];
     #pragma unroll
     for (int h = 0; h < NT; ++h) {
@@ -199,6 +205,7 @@ SOURCE = """
       }
     }
 """
+SOURCE = SOURCE_HEAD + SOURCE_LOOP + SOURCE_TAIL
 _kernels: dict[str, object] = {}  # name -> the built mx.fast.cuda_kernel
 
 # The wide variant (`wide_qmm`, 17..WIDE_ROWS rows in one call: a shared verify's 24-64 rows):
@@ -246,21 +253,10 @@ __device__ __forceinline__ void sanctum_mma_wide(
 """
 )
 
-WIDE_SOURCE = SOURCE.replace(
-    """    SanctumTile<NT> cur, nxt;
-    int tile = warp;
-    if (tile < TILES) {
-      sanctum_load_tile<M, K, NT>(cur, tile * 128 + 32 * t, g, wa, wb, sa, sb, ba, bb, x);
-    }
-    for (; tile < TILES; tile += WARPS) {
-      if (tile + WARPS < TILES) {
-        sanctum_load_tile<M, K, NT>(
-            nxt, (tile + WARPS) * 128 + 32 * t, g, wa, wb, sa, sb, ba, bb, x);
-      }
-      sanctum_mma_tile<NT>(cur, c);
-      cur = nxt;
-    }""",
-    """    SanctumWeights cur, nxt;
+WIDE_SOURCE = (
+    SOURCE_HEAD
+    + """
+    SanctumWeights cur, nxt;
     int tile = warp;
     if (tile < TILES) {
       sanctum_load_weights(cur, tile * 128 + 32 * t, wa, wb, sa, sb, ba, bb);
@@ -271,9 +267,10 @@ WIDE_SOURCE = SOURCE.replace(
       }
       sanctum_mma_wide<M, K, NT>(cur, tile * 128 + 32 * t, g, x, c);
       cur = nxt;
-    }""",
+    }
+"""
+    + SOURCE_TAIL
 )
-assert WIDE_SOURCE != SOURCE
 
 
 def supported(module: nn.Module) -> bool:
