@@ -40,12 +40,17 @@ WARPS = 8  # warps per thread block, splitting K
 FEATURES = 16  # output features per thread block (the mma's m)
 
 HEADER = """
-// A tile's operands in registers: the two feature rows' 32 packed values (one uint4 each),
-// their group's scale and bias as bf16 pairs, and 32 x values of each row tile (4 uint4).
-template <int NT>
-struct SanctumTile {
+// A tile's weights in registers: the two feature rows' 32 packed values (one uint4 each) and
+// their group's scale and bias as bf16 pairs.
+struct SanctumWeights {
   uint4 qa, qb;
   uint32_t sa, sb, ba, bb;
+};
+
+// A tile's operands: its weights and 32 x values of each row tile (4 uint4).
+template <int NT>
+struct SanctumTile {
+  SanctumWeights w;
   uint4 x[NT][4];
 };
 
@@ -53,16 +58,22 @@ __device__ __forceinline__ uint32_t sanctum_pair(uint16_t v) {
   return (uint32_t)v | ((uint32_t)v << 16);
 }
 
-template <int M, int K, int NT>
-__device__ __forceinline__ void sanctum_load_tile(
-    SanctumTile<NT>& q, int k, int g, const uint4* wa, const uint4* wb, const uint16_t* sa,
-    const uint16_t* sb, const uint16_t* ba, const uint16_t* bb, const uint16_t* x) {
+__device__ __forceinline__ void sanctum_load_weights(
+    SanctumWeights& q, int k, const uint4* wa, const uint4* wb, const uint16_t* sa,
+    const uint16_t* sb, const uint16_t* ba, const uint16_t* bb) {
   q.qa = wa[k / 32];
   q.qb = wb[k / 32];
   q.sa = sanctum_pair(sa[k / 64]);
   q.sb = sanctum_pair(sb[k / 64]);
   q.ba = sanctum_pair(ba[k / 64]);
   q.bb = sanctum_pair(bb[k / 64]);
+}
+
+template <int M, int K, int NT>
+__device__ __forceinline__ void sanctum_load_tile(
+    SanctumTile<NT>& q, int k, int g, const uint4* wa, const uint4* wb, const uint16_t* sa,
+    const uint16_t* sb, const uint16_t* ba, const uint16_t* bb, const uint16_t* x) {
+  sanctum_load_weights(q.w, k, wa, wb, sa, sb, ba, bb);
   #pragma unroll
   for (int h = 0; h < NT; ++h) {
     const int m = g + 8 * h;
@@ -128,8 +139,9 @@ __device__ __forceinline__ void sanctum_mma_tile(const SanctumTile<NT>& q, float
     for (int h = 0; h < NT; ++h) {
       xs[h] = q.x[h][i];
     }
+    const SanctumWeights& w = q.w;
     sanctum_mma_word<NT>(
-        sanctum_word(q.qa, i), sanctum_word(q.qb, i), q.sa, q.sb, q.ba, q.bb, xs, c);
+        sanctum_word(w.qa, i), sanctum_word(w.qb, i), w.sa, w.sb, w.ba, w.bb, xs, c);
   }
 }
 """
@@ -216,22 +228,6 @@ _kernels: dict[str, object] = {}  # name -> the built mx.fast.cuda_kernel
 WIDE_HEADER = (
     HEADER
     + """
-struct SanctumWeights {
-  uint4 qa, qb;
-  uint32_t sa, sb, ba, bb;
-};
-
-__device__ __forceinline__ void sanctum_load_weights(
-    SanctumWeights& q, int k, const uint4* wa, const uint4* wb, const uint16_t* sa,
-    const uint16_t* sb, const uint16_t* ba, const uint16_t* bb) {
-  q.qa = wa[k / 32];
-  q.qb = wb[k / 32];
-  q.sa = sanctum_pair(sa[k / 64]);
-  q.sb = sanctum_pair(sb[k / 64]);
-  q.ba = sanctum_pair(ba[k / 64]);
-  q.bb = sanctum_pair(bb[k / 64]);
-}
-
 // sanctum_mma_tile's mmas with x read here: for each of the lane's 4 words of 8 k, the word of
 // every row tile, then their mmas.
 template <int M, int K, int NT>
