@@ -124,6 +124,8 @@ def test_bench_batch_serves_each_level_in_repeated_passes(make_pair, capsys):
         runs = row["aggregate_tok_s_runs"]
         assert len(runs) == 2 and min(runs) <= row["aggregate_tok_s"] <= max(runs)
         assert len(row["aggregate_vs_one_runs"]) == 2
+        each = row["each_request_s_tau"]  # every request's seconds and tau
+        assert len(each) == 2 and all(sec > 0 and tau >= 1 for sec, tau in each)
     assert levels[0]["aggregate_vs_one_runs"] == [1.0, 1.0]
     assert main([*argv[:-3], "--repeats", "0", "--json"]) != 0  # refused
 

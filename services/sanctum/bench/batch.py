@@ -340,6 +340,7 @@ def _level(clients: int, width: int, runs: list[dict]) -> dict:
     row["completion_tokens"] = runs[0]["completion_tokens"]
     row["outputs_equal_alone"] = all(r["outputs_equal_alone"] for r in runs)
     row["cold_wall_s"] = runs[0]["cold_wall_s"]
+    row["each_request_s_tau"] = runs[0]["each_request"]  # the first pass's
     if len(runs) > 1:
         row["aggregate_tok_s_runs"] = [r["aggregate_tok_s"] for r in runs]
     return row
@@ -430,6 +431,12 @@ def run(args) -> dict:
                         "wall_s": round(wall, 3),
                         "outputs_equal_alone": tokens == alone,
                         "cold_wall_s": cold_s,  # the same requests once before, untimed (--warm)
+                        # each request's seconds from submission to its last token, and its tau
+                        # (which one sets the level's wall)
+                        "each_request": [
+                            [round(out[i][1].elapsed_s, 3), round(out[i][1].tau, 2)]
+                            for i in sorted(out)
+                        ],
                     }
                 )
         rows = [_level(clients, width, runs[(clients, width)]) for clients, width in plan]
