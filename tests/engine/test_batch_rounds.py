@@ -509,5 +509,57 @@ def test_prompt_tails_ride_shared_rounds_and_decode_as_alone(make_pair, kind):
         assert out[seq_id] == solo(target, drafter, prompt, n, kv, sampling=sampling), seq_id
 
 
+def test_prompt_tails_ride_together_where_nothing_drafts(make_pair):
+    """A round where no sequence drafts (only newcomers' tails; or beside them a sequence the
+    speculation gate has stepping plainly) still runs the tails in one target forward, a
+    drafter block's rows wide (the shapes of any round), not a prefill each one after another;
+    a gated greedy sequence drafts in it (its plain step would pay the padded rows for one
+    token). Every sequence decodes exactly as alone."""
+    target, drafter = load_pair(make_pair, "hybrid", "dflash2")
+    decoder = BatchDecoder(target, drafter, LocalDraftPeer(drafter))
+    L = decoder.block_size
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    joining = [  # (seq_id, prompt, tokens, sampling, tail length)
+        ("j0", PROMPTS[2], 16, None, 5),
+        ("j1", PROMPTS[1], 16, sampled, 100),  # the whole prompt
+        ("j2", PROMPTS[2] + "        pass", 16, None, 2 * L - 1),  # two rounds
+    ]
+    for gated_runner in (False, True):
+        out, keys, seqs = {}, {}, []
+        if gated_runner:  # greedy, with a stretch of plain steps to take
+            seq = decoder.new_sequence("r0", "fp16", SamplingParams(), 24)
+            keys["r0"], sub = mx.random.split(make_key(None))
+            ids = encode(target, PROMPTS[0])
+            out["r0"] = list(decoder.start(seq, decoder.prefill(seq, ids), sub).tokens)
+            seq.plain_left = 4
+            seqs.append(seq)
+        for seq_id, prompt, n, sampling, tail in joining:
+            ids = encode(target, prompt)
+            seq = decoder.new_sequence(seq_id, "fp16", sampling or SamplingParams(), n)
+            cut = max(0, len(ids) - tail)
+            if cut:
+                decoder.prefill(seq, ids[:cut], final=False)
+            decoder.ride(seq, ids[cut:])
+            keys[seq_id] = make_key(sampling.seed if sampling else None)
+            out[seq_id] = []
+            seqs.append(seq)
+        forwards = []
+        real = rounds.verify_batch
+        rounds.verify_batch = lambda t, blocks, *a, forwards=forwards, real=real, **k: (
+            forwards.append(blocks.shape) or real(t, blocks, *a, **k)
+        )
+        real_prefill, decoder.prefill = decoder.prefill, None  # none may run
+        try:
+            step_until_done(decoder, seqs, keys, out)
+        finally:
+            rounds.verify_batch, decoder.prefill = real, real_prefill
+        assert forwards[0] == (len(seqs), L), (gated_runner, forwards)
+        if gated_runner:
+            assert seqs[0].plain_left == 0  # its stretch ended in that round: it drafted
+            assert_as_alone(target, drafter, PROMPTS[0], 24, out["r0"], what="gated runner")
+        for seq_id, prompt, n, sampling, _ in joining:
+            assert out[seq_id] == solo(target, drafter, prompt, n, sampling=sampling), seq_id
+
+
 def encode(target, prompt: str) -> list[int]:
     return target.tokenizer.encode(prompt)

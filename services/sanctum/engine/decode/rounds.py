@@ -52,9 +52,10 @@ class BatchDecoder(Decoder):
                 plain.append(i)
             else:
                 groups.setdefault(self.width(seq), []).append(i)
-        if groups:  # a round others draft: a gated greedy sequence drafts too, since its plain
-            # step would pay the round's padded rows for one token (greedy output is the same
-            # either way; a seeded sample's draws are not, so sampled ones stay plain)
+        if groups or tails:  # a round others draft or tails run in: a gated greedy sequence
+            # drafts too, since its plain step would pay the round's padded rows for one token
+            # (greedy output is the same either way; a seeded sample's draws are not, so
+            # sampled ones stay plain)
             for i in [i for i in plain if seqs[i].sampling.greedy]:
                 seqs[i].plain_left = 0  # its stretch ends in this round, as alone it would
                 groups.setdefault(self.width(seqs[i]), []).append(i)
@@ -68,7 +69,9 @@ class BatchDecoder(Decoder):
             mx.eval([drafts for _, _, drafts, *_ in drafted])
         elif self.target.async_layers and drafted:  # a GPU drafts while Python builds the verify
             mx.async_eval([drafts for _, _, drafts, *_ in drafted])
-        if drafted:
+        if drafted or len(tails) > 1 or (tails and plain):
+            # the tails ride together even where nothing drafts (say the drafter is down):
+            # each one's own prefill, one after another, cost the others a forward each
             gated = [(i, seqs[i], keys[i]) for i in plain]
             riders = [(i, seqs[i], keys[i]) for i in tails]
             self._verify_all(drafted, time.perf_counter() - t0, steps, gated, riders)
@@ -76,7 +79,7 @@ class BatchDecoder(Decoder):
                 self._watch(seq, steps[i])
         else:
             self._plain_steps(seqs, keys, plain, steps)
-        for i in tails:  # no drafted block to ride with: its own prefill, as `step` runs it
+        for i in tails:  # a tail alone in its round: its own prefill, as `step` runs it
             if i not in steps:
                 steps[i] = self.step(seqs[i], keys[i])
         return [steps[i] for i in range(len(seqs))]
@@ -199,7 +202,8 @@ class BatchDecoder(Decoder):
         t1 = time.perf_counter()
         riders = list(riders)
         blocks = [drafts for _, _, drafts, *_ in drafted]
-        widest = 1 + max(block.shape[0] for block in blocks)
+        # with no drafted block, the tails run a drafter block's rows: the shapes of any round
+        widest = 1 + max((block.shape[0] for block in blocks), default=self.block_size - 1)
         blocks += [
             mx.array(seq.tail[1 : _tail_rows(seq, widest)], mx.int32) for _, seq, _ in riders
         ]
@@ -217,7 +221,7 @@ class BatchDecoder(Decoder):
         t2 = time.perf_counter()
         reads, tokens = self._accept_all(drafted, extra, padded, outs, widths)
         # the shared phases' wall time, split over the batch (the forward is awaited in the read)
-        draft_s, verify_s = draft_s / len(drafted), (time.perf_counter() - t1) / len(widths)
+        draft_s, verify_s = draft_s / max(1, len(drafted)), (time.perf_counter() - t1) / len(widths)
         extra_outs = outs[len(drafted) :]
         self._deferred = []
         try:
