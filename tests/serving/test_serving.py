@@ -151,7 +151,10 @@ def test_a_short_prompt_joining_shared_rounds_rides_them_without_a_prefill(pair,
     those rounds' target forwards (a block's rows a round), never in a prefill of its own
     between two of the running stream's rounds; its first chunk comes from a round, with its
     time to first token, and both outputs are the engine's own. The
-    server built its shared rounds' graphs at load (SANCTUM_WARM_SHARED)."""
+    server built its shared rounds' graphs at load (SANCTUM_WARM_SHARED), and froze what it
+    loaded out of the garbage collector's walks (mlx_thread.py)."""
+    import gc
+
     from sanctum.serving.inline import InlineBackend, RoundDelay
     from sanctum.serving.requests import GenerateRequest
     from sanctum.serving.scheduler import RIDE_ROUNDS
@@ -159,6 +162,7 @@ def test_a_short_prompt_joining_shared_rounds_rides_them_without_a_prefill(pair,
 
     _, _, reference = engine
     env = {**NO_GATE, "SANCTUM_WARM_SHARED": "1"}  # and the shared rounds built at load
+    gc.unfreeze()  # (what a server before it in this process froze)
     backend = InlineBackend(
         serve_settings(pair[0], pair[1], cache_dir="none", max_active=2, env=env),
         RoundDelay(0.01),
@@ -168,6 +172,7 @@ def test_a_short_prompt_joining_shared_rounds_rides_them_without_a_prefill(pair,
         sched, verifier = backend.scheduler, backend.scheduler.verifier
         assert sched.max_batch == 2 and verifier.ride_width > 1
         assert list(verifier.warmed) == [1, 2]  # (1: its looked-up widths)
+        assert gc.get_freeze_count() > 10_000  # the models, their modules and graphs
         prefilled = []  # the request of each prefill forward that ran
         decoder = verifier.decoder
         real = decoder.prefill

@@ -2,10 +2,16 @@
 created them, so the thread that loads the models is the one that runs them. It runs `load()`,
 then `serve(loaded)` for good; other threads only hand it work (the scheduler's queue, the
 drafter's socket) and wait for the load with `wait_ready`. As in mlx-lm's server.
+
+Once loaded, the process's objects are frozen out of Python's garbage collector (`gc.freeze`,
+after one collection of the load's own garbage): they live as long as the process, and every
+full collection walked all of them, a pause of most of a shared round on a small CPU, in
+whichever round it fell (docs/performance.md).
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -29,6 +35,8 @@ class MlxThread(Generic[T]):
             self.error = exc
             self._ready.set()
             return
+        gc.collect()
+        gc.freeze()
         self._ready.set()
         serve(self.loaded)
 
