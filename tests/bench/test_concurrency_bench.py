@@ -108,8 +108,8 @@ def test_bench_batch_steady_forces_acceptance(make_pair, capsys):
 
 def test_bench_batch_serves_each_level_in_repeated_passes(make_pair, capsys):
     """--repeats 2: every level served twice (the second pass in reverse), the medians
-    reported with each pass's figures and its ratio to its own one stream; every output equal
-    to alone in every pass."""
+    reported with each pass's figures and its ratio to its own one stream, and the server's
+    median and longest round; every output equal to alone in every pass."""
     from sanctum.cli import main
 
     target_dir, drafter_dir = make_pair("hybrid", "dflash")
@@ -126,6 +126,10 @@ def test_bench_batch_serves_each_level_in_repeated_passes(make_pair, capsys):
         assert len(row["aggregate_vs_one_runs"]) == 2
         each = row["each_request_s_tau"]  # every request's seconds and tau
         assert len(each) == 2 and all(sec > 0 and tau >= 1 for sec, tau in each)
+        # the server's rounds, timed in its work log: the longest names its requests
+        assert 0 < row["round_ms_median"] <= row["round_ms_max"]
+        requests, tokens = row["longest_round"]
+        assert 1 <= requests <= row["max_batch"] and tokens >= 0
     assert levels[0]["aggregate_vs_one_runs"] == [1.0, 1.0]
     assert main([*argv[:-3], "--repeats", "0", "--json"]) != 0  # refused
 

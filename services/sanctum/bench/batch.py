@@ -15,6 +15,7 @@ import queue
 import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 
 from .neartie import NEAR_TIE, near_tie_verdict, top_two_margins, worst
@@ -341,9 +342,40 @@ def _level(clients: int, width: int, runs: list[dict]) -> dict:
     row["outputs_equal_alone"] = all(r["outputs_equal_alone"] for r in runs)
     row["cold_wall_s"] = runs[0]["cold_wall_s"]
     row["each_request_s_tau"] = runs[0]["each_request"]  # the first pass's
+    timed = [r for r in runs if "round_ms_median" in r]
+    if timed:  # the server's rounds: the passes' median round, and the longest of any pass
+        row["round_ms_median"] = round(statistics.median(r["round_ms_median"] for r in timed), 1)
+        worst = max(timed, key=lambda r: r["round_ms_max"])
+        row["round_ms_max"], row["longest_round"] = worst["round_ms_max"], worst["longest_round"]
     if len(runs) > 1:
         row["aggregate_tok_s_runs"] = [r["aggregate_tok_s"] for r in runs]
     return row
+
+
+def _keep_work_log(backend):
+    """A fresh work log on an inline server's worker (`Scheduler.work_log`): the pass's
+    rounds are timed there. None through the cluster."""
+    scheduler = getattr(backend, "scheduler", None)
+    if scheduler is None or not hasattr(scheduler, "work_log"):
+        return None
+    scheduler.work_log = deque()
+    return scheduler.work_log
+
+
+def _rounds_of(log) -> dict:
+    """A pass's rounds from its work log: the median and longest round's ms, and the longest
+    one's [requests, tokens committed] (a round of wide looked-up blocks is long but commits
+    many; a stall commits few)."""
+    # (a copy: the worker may still be logging the last round as its client reads its chunk)
+    rounds = [(t1 - t0, d) for t0, t1, kind, d in list(log or ()) if kind == "round"]
+    if not rounds:
+        return {}
+    longest = max(rounds, key=lambda r: r[0])
+    return {
+        "round_ms_median": round(1000 * statistics.median(ms for ms, _ in rounds), 1),
+        "round_ms_max": round(1000 * longest[0], 1),
+        "longest_round": list(longest[1]),
+    }
 
 
 def run(args) -> dict:
@@ -412,6 +444,7 @@ def run(args) -> dict:
                 cold_s = None
                 if args.warm and rep == 0:  # a first pass traces and compiles each new shape
                     cold_s = round(_serve(backend, requests, clients)[0], 3)
+                log = _keep_work_log(backend)
                 wall, out = _serve(backend, requests, clients)
                 tokens = {i: toks for i, (toks, _) in out.items()}
                 if alone is None:
@@ -437,6 +470,7 @@ def run(args) -> dict:
                             [round(out[i][1].elapsed_s, 3), round(out[i][1].tau, 2)]
                             for i in sorted(out)
                         ],
+                        **_rounds_of(log),
                     }
                 )
         rows = [_level(clients, width, runs[(clients, width)]) for clients, width in plan]
