@@ -199,6 +199,49 @@ def test_a_short_prompt_joining_shared_rounds_rides_them_without_a_prefill(pair,
         backend.close()
 
 
+def test_requests_arriving_during_a_prefill_join_the_first_round(pair, engine):
+    """A burst of clients: requests that arrive while the first one's prompt is prefilled are
+    opened before the round that follows it, their short prompts riding in that round beside
+    the first request's first block (not left to the round after). Outputs are the engine's."""
+    import collections
+
+    from sanctum.serving.inline import InlineBackend
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.settings import serve_settings
+
+    _, _, reference = engine
+    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=3,
+                                           env=NO_GATE))  # fmt: skip
+    try:
+        backend.ready(60)
+        sched, verifier = backend.scheduler, backend.scheduler.verifier
+        assert sched.max_batch == 3
+        sched.work_log = collections.deque()
+        later = []
+        real = verifier.prefill_some
+
+        def prefill_some(act, *a, **k):  # the others arrive during the first one's prefill
+            if not later:
+                later.extend(
+                    sched.submit(
+                        GenerateRequest(prompt=PROMPTS[i], max_tokens=12, request_id=f"r{i}")
+                    )  # fmt: skip
+                    for i in (1, 2)
+                )
+            return real(act, *a, **k)
+
+        verifier.prefill_some = prefill_some
+        first = list(sched.submit(GenerateRequest(prompt=PROMPTS[0], max_tokens=12,
+                                                  request_id="r0")))  # fmt: skip
+        outs = [first] + [list(t) for t in later]
+        rounds = [detail for _, _, kind, detail in list(sched.work_log) if kind == "round"]
+        assert rounds[0][0] == 3, rounds  # the first round is all three's
+        for i, chunks in enumerate(outs):
+            assert [t for c in chunks for t in c.token_ids] == reference(PROMPTS[i], 12), i
+    finally:
+        backend.close()
+
+
 def test_prefill_slices_shrink_to_fit_their_time():
     """A slice is PREFILL_SLICE tokens, or fewer when the request's last slice says they would
     take longer than prefill_slice_s, or, while others decode, than their turn of rounds (the

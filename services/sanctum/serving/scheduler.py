@@ -287,22 +287,14 @@ class Scheduler:
                     # has exited, or is still running, as the interpreter finalizes
                     self._parked.set()
                     self._cv.wait_for(lambda: False)
-                admit = []
-                busy = len(self._active) + len(self._prefilling)
-                while self._waiting and busy + len(admit) < self.max_active:
-                    admit.append(self._waiting.popleft())
-                self._opening.update(t.request_id for t in admit)
-            for ticket in admit:
-                with self._logged("open", ticket.request_id):
-                    self._open(ticket)
             # one slice of each prompt being prefilled, then one round of each decoding request:
             # a long prompt delays the others' next tokens by a slice, not by all of it
-            for request_id in list(self._prefilling):
-                self._reap_cancelled()
-                if request_id in self._prefilling:
-                    left = self._prefilling[request_id][0].prompt_left
-                    with self._logged("prefill", (request_id, left)):
-                        self._prefill(request_id)
+            self._admit()
+            self._prefill_slices(list(self._prefilling))
+            if self._waiting and self._active:
+                # those that came during the slices join this round (a short prompt rides in
+                # it) rather than the next: a burst of clients starts in one round, not two
+                self._prefill_slices(self._admit())
             t0 = time.perf_counter()
             if self.max_batch > 1:
                 self._rounds_batched()
@@ -314,6 +306,28 @@ class Scheduler:
                             detail[1] = self._round(request_id)
             if self._active:  # the decoding requests' turn: what a prefill slice may add to it
                 self._turns.append(time.perf_counter() - t0)
+
+    def _admit(self) -> list[str]:
+        """Open waiting requests while fewer than `max_active` are open; their ids."""
+        with self._cv:
+            admit = []
+            busy = len(self._active) + len(self._prefilling)
+            while self._waiting and busy + len(admit) < self.max_active:
+                admit.append(self._waiting.popleft())
+            self._opening.update(t.request_id for t in admit)
+        for ticket in admit:
+            with self._logged("open", ticket.request_id):
+                self._open(ticket)
+        return [t.request_id for t in admit]
+
+    def _prefill_slices(self, request_ids: list[str]) -> None:
+        """A slice of each of these requests' prompts (those still prefilling)."""
+        for request_id in request_ids:
+            self._reap_cancelled()
+            if request_id in self._prefilling:
+                left = self._prefilling[request_id][0].prompt_left
+                with self._logged("prefill", (request_id, left)):
+                    self._prefill(request_id)
 
     def _rounds_batched(self) -> None:
         """One round of every decoding request, up to `max_batch` of them in each shared
