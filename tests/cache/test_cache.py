@@ -8,7 +8,7 @@ import logging
 import mlx.core as mx
 import numpy as np
 import pytest
-from sanctum.cache.ladder import choose_rungs, prefill_stops, restore_into
+from sanctum.cache.ladder import MIN_SPREAD_GAP, choose_rungs, prefill_stops, restore_into
 from sanctum.cache.store import CacheEntry, PromptStore
 from sanctum.engine.decode.peer import LocalDraftPeer
 from sanctum.engine.model.drafter import load_drafter
@@ -166,6 +166,14 @@ def test_ladder_positions_and_inheritance():
     assert prefill_stops(4, 53, 0) == (13, 26, 53) or 53 in prefill_stops(4, 53, 0)
     assert prefill_stops(4, 53, 0)[-1] == 53
     assert prefill_stops(1, 53, 0) == (53,)
+    # spread rungs keep MIN_SPREAD_GAP tokens from the resume point and from each other: a
+    # short prompt's prefill (or riding tail) does not pause every few tokens
+    assert prefill_stops(4, 10, 0) == (10,)
+    for length, resumed in [(31, 0), (32, 0), (50, 20), (200, 7), (1000, 0)]:
+        stops = (resumed, *prefill_stops(4, length, resumed))
+        assert min(b - a for a, b in zip(stops, stops[1:])) >= MIN_SPREAD_GAP
+        assert stops[-1] == length
+    assert len(prefill_stops(4, 1000, 0)) == 3
     stops = prefill_stops(4, 100, 40, message_starts=[10, 45, 80])
     assert 100 in stops and 80 in stops and 45 in stops and all(40 < s <= 100 for s in stops)
     st = [("c", "s")]
@@ -177,18 +185,29 @@ def test_ladder_positions_and_inheritance():
     assert {20, 40} <= set(chosen)  # inherited rungs are kept while depth allows
 
 
+def test_a_request_not_saved_takes_no_rungs(pair):
+    # its cache is never stored: prefill (or a riding tail) need not pause at rung positions
+    verifier = make_verifier(pair)
+    ids = tuple(range(10, 110))
+    for use_cache, want in [(True, prefill_stops(4, 100, 0)), (False, ())]:
+        req = GenerateRequest(prompt_ids=ids, max_tokens=3, use_cache=use_cache)
+        act = verifier.begin(verifier.prepare(req))
+        assert act.stops == want and (want or not use_cache)
+        verifier.close(act, save=False)
+
+
 def test_new_entry_inherits_rungs_below_resume(pair):
     verifier = make_verifier(pair, depth=7)
-    ids = list(range(10, 90))
-    list(verifier.generate(GenerateRequest(prompt_ids=tuple(ids[:50]), max_tokens=3)))
+    ids = list(range(10, 250))  # (long enough for 5 spread rungs MIN_SPREAD_GAP apart)
+    list(verifier.generate(GenerateRequest(prompt_ids=tuple(ids[:150]), max_tokens=3)))
     old = verifier.store.entries()[0]
     list(verifier.generate(GenerateRequest(prompt_ids=tuple(ids), max_tokens=3)))
     new = max(verifier.store.entries(), key=lambda e: len(e.tokens))
     assert new is not old
-    inherited = sorted(p for p in old.rungs if p <= 50)
+    inherited = sorted(p for p in old.rungs if p <= 150)
     assert len(inherited) >= 5
     # depth 7 = prompt end + completion end + the 5 latest inherited rungs
-    assert set(inherited[-5:]) <= set(new.rungs) and {80, len(new.tokens)} <= set(new.rungs)
+    assert set(inherited[-5:]) <= set(new.rungs) and {240, len(new.tokens)} <= set(new.rungs)
 
 
 def _entry(n_tokens, start=0, model="m|fp16"):

@@ -146,7 +146,9 @@ def test_long_prompt_prefills_in_slices_between_rounds(pair, engine):
         backend.close()
 
 
-def test_a_short_prompt_joining_shared_rounds_rides_them_without_a_prefill(pair, engine):
+def test_a_short_prompt_joining_shared_rounds_rides_them_without_a_prefill(
+    pair, engine, monkeypatch
+):
     """A request arriving while another decodes in shared rounds runs its short prompt inside
     those rounds' target forwards (a block's rows a round), never in a prefill of its own
     between two of the running stream's rounds; its first chunk comes from a round, with its
@@ -155,12 +157,15 @@ def test_a_short_prompt_joining_shared_rounds_rides_them_without_a_prefill(pair,
     loaded out of the garbage collector's walks (mlx_thread.py)."""
     import gc
 
+    from sanctum.cache import ladder
     from sanctum.serving.inline import InlineBackend, RoundDelay
     from sanctum.serving.requests import GenerateRequest
     from sanctum.serving.scheduler import RIDE_ROUNDS
     from sanctum.settings import serve_settings
 
     _, _, reference = engine
+    # rungs a few tokens apart, so that the short riding prompt holds one (stops split its rows)
+    monkeypatch.setattr(ladder, "MIN_SPREAD_GAP", 4)
     env = {**NO_GATE, "SANCTUM_WARM_SHARED": "1"}  # and the shared rounds built at load
     gc.unfreeze()  # (what a server before it in this process froze)
     backend = InlineBackend(

@@ -18,6 +18,11 @@ from mlx.utils import tree_flatten
 from .layout import KV, Rungs
 from .store import CacheEntry, ResumePlan
 
+# Spread rungs sit at least this many tokens from the resume point and from each other: one
+# closer saves the recomputation of a short forward at most, yet costs prefill a pause (a
+# forward of its own; a riding prompt tail a round's rows) and the entry a state's bytes
+MIN_SPREAD_GAP = 16
+
 
 def prefill_stops(
     depth: int, prompt_len: int, resumed_at: int, message_starts=()
@@ -29,8 +34,9 @@ def prefill_stops(
     for p in sorted(set(message_starts), reverse=True):
         if resumed_at < p < prompt_len and len(stops) < depth:
             stops.append(p)
-    spare = depth - len(stops) - 1  # one rung is kept for the end of the completion
     span = prompt_len - resumed_at
+    # one rung is kept for the end of the completion
+    spare = min(depth - len(stops) - 1, span // MIN_SPREAD_GAP - 1)
     for k in range(1, spare + 1):
         p = resumed_at + span * k // (spare + 1)
         if resumed_at < p < prompt_len and p not in stops:

@@ -240,7 +240,7 @@ class Verifier:
             mode=mode,
         )
         act = Active(prep, seq, stream, make_key(req.seed), usage, plan)
-        if self.store is not None:
+        if cached:  # (a request that is not saved takes no rungs: its prefill never pauses)
             act.stops = prefill_stops(self.ladder_depth, len(prompt_ids), plan.resumed_at, starts)
         if cached and req.messages is not None:
             act.watch = ReencodingWatch(len(prompt_ids), Reencoder(self.target.tokenizer))
