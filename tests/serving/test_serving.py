@@ -247,6 +247,57 @@ def test_requests_arriving_during_a_prefill_join_the_first_round(pair, engine):
         backend.close()
 
 
+def test_a_burst_of_short_prompts_rides_one_round_with_no_prefill(pair, engine, monkeypatch):
+    """Requests arriving together, nothing decoding yet: no prompt is prefilled on its own;
+    their tails ride the first shared round together (one forward for all), each first
+    token from it, and every output is the engine's. The first round waits for the requests
+    still being prepared (at most BURST_WAIT_S)."""
+    import collections
+
+    from sanctum.serving import scheduler
+    from sanctum.serving.inline import InlineBackend
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.settings import serve_settings
+
+    _, _, reference = engine
+    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=3,
+                                           env=NO_GATE))  # fmt: skip
+    try:
+        backend.ready(60)
+        sched, verifier = backend.scheduler, backend.scheduler.verifier
+        sched.work_log = collections.deque()
+        prefilled = []  # the request of each prefill forward that ran
+        real_prefill = verifier.decoder.prefill
+        verifier.decoder.prefill = lambda seq, *a, **k: (
+            prefilled.append(seq.seq_id) or real_prefill(seq, *a, **k)
+        )
+        real_prepare = verifier.prepare
+
+        def prepare(req):  # the others take longer to prepare (tokenize) than the first
+            if req.request_id != "r0":
+                time.sleep(0.2)
+            return real_prepare(req)
+
+        verifier.prepare = prepare
+        monkeypatch.setattr(scheduler, "BURST_WAIT_S", 5.0)  # (what CI's slowest run needs)
+        tickets = [
+            sched.submit(GenerateRequest(prompt=PROMPTS[i], max_tokens=12, request_id=f"r{i}"))
+            for i in range(3)
+        ]
+        t0 = time.monotonic()
+        outs = [list(t) for t in tickets]
+        assert time.monotonic() - t0 < 5.0  # (the wait ended when they were ready)
+        assert prefilled == []
+        log = list(sched.work_log)
+        rounds = [detail for _, _, kind, detail in log if kind == "round"]
+        assert rounds[0][0] == 3, rounds
+        for i, chunks in enumerate(outs):
+            assert [t for c in chunks for t in c.token_ids] == reference(PROMPTS[i], 12), i
+            assert chunks[-1].usage.ttft_s > 0
+    finally:
+        backend.close()
+
+
 def test_prefill_slices_shrink_to_fit_their_time():
     """A slice is PREFILL_SLICE tokens, or fewer when the request's last slice says they would
     take longer than prefill_slice_s, or, while others decode, than their turn of rounds (the

@@ -55,6 +55,11 @@ TURNS_KEPT = 5
 # rounds, rides in their rounds whole (a block's rows a round) instead of a prefill between
 # them: its first token comes a round or two later, the others' streams never pause for it.
 RIDE_ROUNDS = 4
+# A round of newcomers' prompt tails alone (nobody decoding yet) waits at most this long for
+# requests still being prepared (tokenized): a burst of clients then starts in one round, every
+# tail in one forward, not the first prompt alone and the others a round later. Nobody's next
+# token waits: the newcomers' first tokens at most this much, against a round they save.
+BURST_WAIT_S = 0.01
 # Threads that prepare requests (the tokenizer releases the GIL): two, so one huge prompt
 # being tokenized does not hold up every other request's admission.
 PREPARE_THREADS = 2
@@ -295,6 +300,8 @@ class Scheduler:
                 # those that came during the slices join this round (a short prompt rides in
                 # it) rather than the next: a burst of clients starts in one round, not two
                 self._prefill_slices(self._admit())
+            if self.max_batch > 1 and self._burst_forming():
+                self._prefill_slices(self._admit())
             t0 = time.perf_counter()
             if self.max_batch > 1:
                 self._rounds_batched()
@@ -431,9 +438,11 @@ class Scheduler:
         left = act.prompt_left
         # while other requests decode in shared rounds, the prompt's last tokens ride in their
         # forwards (none of their own between two of the others' rounds): a short prompt
-        # (RIDE_ROUNDS blocks) all of it, a round's block at a time; a longer one its last block
+        # (RIDE_ROUNDS blocks) all of it, a round's block at a time; a longer one its last block.
+        # So too in a burst (others arriving with it): their tails ride together, one forward
+        # for all, not a prefill each (a tail alone in its round is prefilled there, as here)
         ride = 0
-        if self.max_batch > 1 and self._active:
+        if self.max_batch > 1 and (self._active or self._others_coming(request_id)):
             ride = self.verifier.ride_width
             ride = left if left <= RIDE_ROUNDS * ride else ride
         t0 = time.perf_counter()
@@ -459,6 +468,28 @@ class Scheduler:
         with self._cv:
             self._active[request_id] = (act, ticket)
             self._prefilling.pop(request_id, None)
+
+    def _burst_forming(self) -> bool:
+        """True once requests being prepared wait to be opened, when every open request is a
+        newcomer whose prompt tail rides its first round; waits for them at most BURST_WAIT_S."""
+        with self._cv:
+            if not (self._preparing and self._active):
+                return False
+            if any(not act.riding for act, _ in self._active.values()):
+                return False
+            self._cv.wait_for(lambda: not self._preparing or self._stopped, BURST_WAIT_S)
+            return bool(self._waiting)
+
+    def _others_coming(self, request_id: str) -> bool:
+        """Whether requests other than this one are being prepared, wait, or are being
+        opened or prefilled: they may share this one's first round."""
+        with self._cv:
+            return bool(
+                self._preparing
+                or self._waiting
+                or self._opening
+                or set(self._prefilling) - {request_id}
+            )
 
     def _round(self, request_id: str) -> int:
         """One round of one request; returns the tokens it committed."""
