@@ -18,10 +18,10 @@ from mlx.utils import tree_flatten
 from .layout import KV, Rungs
 from .store import CacheEntry, ResumePlan
 
-# Spread rungs sit at least this many tokens from the resume point and from each other: one
-# closer saves the recomputation of a short forward at most, yet costs prefill a pause (a
-# forward of its own; a riding prompt tail a round's rows) and the entry a state's bytes
-MIN_SPREAD_GAP = 16
+# Spread rungs sit at least this many tokens (a drafted block's rows) from the resume point and
+# from each other: one closer saves less than a block's recomputation, yet costs prefill a pause
+# (a forward of its own; a riding prompt tail a round) and the entry a state's bytes
+MIN_SPREAD_GAP = 8
 
 
 def prefill_stops(
