@@ -15,6 +15,13 @@ from helpers import PROMPTS as ALL_PROMPTS
 PROMPTS = ALL_PROMPTS[:4]
 
 
+def record_prefills(decoder) -> list:
+    """The request of each prefill forward `decoder` runs from now on, in order."""
+    prefilled, real = [], decoder.prefill
+    decoder.prefill = lambda seq, *a, **k: prefilled.append(seq.seq_id) or real(seq, *a, **k)
+    return prefilled
+
+
 def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
     from sanctum.serving.errors import InvalidRequest, QueueFull
     from sanctum.serving.inline import InlineBackend, RoundDelay
@@ -178,10 +185,7 @@ def test_a_short_prompt_joining_shared_rounds_rides_them_without_a_prefill(
         assert sched.max_batch == 2 and verifier.ride_width > 1
         assert list(verifier.warmed) == [1, 2]  # (1: its looked-up widths)
         assert gc.get_freeze_count() > 10_000  # the models, their modules and graphs
-        prefilled = []  # the request of each prefill forward that ran
-        decoder = verifier.decoder
-        real = decoder.prefill
-        decoder.prefill = lambda seq, *a, **k: prefilled.append(seq.seq_id) or real(seq, *a, **k)
+        prefilled = record_prefills(verifier.decoder)
         first = sched.submit(GenerateRequest(prompt=PROMPTS[3], max_tokens=120, request_id="a"))
         stream = iter(first)
         head = [next(stream), next(stream)]
@@ -266,11 +270,7 @@ def test_a_burst_of_short_prompts_rides_one_round_with_no_prefill(pair, engine, 
         backend.ready(60)
         sched, verifier = backend.scheduler, backend.scheduler.verifier
         sched.work_log = collections.deque()
-        prefilled = []  # the request of each prefill forward that ran
-        real_prefill = verifier.decoder.prefill
-        verifier.decoder.prefill = lambda seq, *a, **k: (
-            prefilled.append(seq.seq_id) or real_prefill(seq, *a, **k)
-        )
+        prefilled = record_prefills(verifier.decoder)
         real_prepare = verifier.prepare
 
         def prepare(req):  # the others take longer to prepare (tokenize) than the first
