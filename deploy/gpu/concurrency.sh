@@ -6,8 +6,8 @@
 #
 # Every figure is one JSON line appended to $OUT/concurrency.jsonl as soon as it is measured,
 # tagged with its step ("step"), so a run cut short keeps what it measured; each step's stderr
-# goes to $OUT/STEP.err, and $OUT/steps.txt says how each step ended. Steps, most important
-# first, each under its own `timeout` (a hang costs that step only):
+# goes to $OUT/stderr.txt under a "== STEP" line, and $OUT/steps.txt says how each step ended.
+# Steps, most important first, each under its own `timeout` (a hang costs that step only):
 #   build        the seed-shaped pair (bench seed --build-only; reused under SEED_DIR)
 #   qmm-wide     the wide 4-bit kernel's check and a chain of the seed's MLP products at 1..64
 #                rows: one wide call, 16 rows a call, MLX's (the weights read once or per 16)
@@ -22,8 +22,11 @@
 #   seed-split   seed-steady's real levels again with SANCTUM_QMM_WIDE=off (16 rows a call)
 #   seed-trace   bench round-trace at 1,4,8 on it: each piece of a round timed and op-counted
 #   default-steady  the same as seed-steady on the default pair
-# MLX builds its CUDA kernels at first use (~150 s on a fresh machine), kept under
-# MLX_PTX_CACHE_DIR for later runs. A step starts only while DEADLINE (default 530) seconds
+# MLX builds its CUDA kernels at first use (~150 s on a fresh machine, more than a step's
+# limit for the seed's batched levels), kept under MLX_PTX_CACHE_DIR for later runs; after each
+# step the caches (that folder, and the driver's ~/.nv/ComputeCache) are packed into
+# $OUT/cuda-ptx.tar.xz and $OUT/cuda-nv.tar.xz, and KERNEL_CACHE=DIR unpacks those two from an
+# earlier machine's run before the first step (a fresh machine then starts with built kernels). A step starts only while DEADLINE (default 530) seconds
 # have not passed. QUICK=1 shrinks everything (the small seed shape at 2 layers, few rounds):
 # a smoke run on a CPU. Knobs: SEED_LAYERS (default 64: the seed's depth), SEED_DIR, PYTHON,
 # DEADLINE, ROUNDS (timed steady rounds), WARM (untimed rounds), COUNT (rounds with their ops
@@ -67,14 +70,41 @@ step() {  # step NAME SECONDS COMMAND...: at most SECONDS (and the deadline)
     echo "$name skipped" | tee -a "$out/steps.txt"
     return
   fi
-  timeout "$limit" "$@" 2> "$out/$name.err" | "${tag[@]}" "$name" >> "$lines"
+  echo "== $name" >> "$out/stderr.txt"
+  timeout "$limit" "$@" 2>> "$out/stderr.txt" | "${tag[@]}" "$name" >> "$lines"
   rc=${PIPESTATUS[0]}
   echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$out/steps.txt"
   if [ "$rc" -ne 0 ]; then
     echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" >> "$lines"
-    tail -n 5 "$out/$name.err"
+    tail -n 5 "$out/stderr.txt"
   fi
+  pack_kernels
 }
+
+# The kernel caches into $OUT when they grew (what comes back from a lent machine is a few
+# files of at most 16 MiB: a bigger pack is dropped and said so)
+packed=""
+pack_kernels() {
+  local dir name now
+  for dir in "$MLX_PTX_CACHE_DIR" "$HOME/.nv/ComputeCache"; do
+    [ -d "$dir" ] || continue
+    name=cuda-ptx; [ "$dir" = "$MLX_PTX_CACHE_DIR" ] || name=cuda-nv
+    now="$name:$(find "$dir" -type f | wc -l)"
+    case " $packed $name:0 " in *" $now "*) continue ;; esac
+    tar -C "$dir" -cf - . | xz -T0 -1 > "$out/$name.tar.xz.part" && mv "$out/$name.tar.xz.part" "$out/$name.tar.xz"
+    if [ "$(stat -c %s "$out/$name.tar.xz")" -gt $((16 << 20)) ]; then
+      rm -f "$out/$name.tar.xz"
+      echo "$name not packed: over 16 MiB" >> "$out/steps.txt"
+    fi
+    packed="$packed $now"
+  done
+}
+if [ -n "${KERNEL_CACHE:-}" ]; then
+  mkdir -p "$MLX_PTX_CACHE_DIR" "$HOME/.nv/ComputeCache"
+  [ -f "$KERNEL_CACHE/cuda-ptx.tar.xz" ] && xz -dc "$KERNEL_CACHE/cuda-ptx.tar.xz" | tar -C "$MLX_PTX_CACHE_DIR" -xf -
+  [ -f "$KERNEL_CACHE/cuda-nv.tar.xz" ] && xz -dc "$KERNEL_CACHE/cuda-nv.tar.xz" | tar -C "$HOME/.nv/ComputeCache" -xf -
+  echo "kernel caches from $KERNEL_CACHE: $(find "$MLX_PTX_CACHE_DIR" -type f | wc -l) PTX files" | tee -a "$out/steps.txt"
+fi
 
 "$py" -c 'import json, sys, mlx.core as mx, mlx_lm
 print(json.dumps({"python": sys.version.split()[0], "mlx": mx.__version__,
@@ -110,7 +140,7 @@ if [ -n "$pair" ]; then
 fi
 step default-served 150 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --json
 cuda_tests=(tests/engine/test_cuda.py tests/engine/test_lookup.py tests/engine/test_batch_rounds.py)
-# (pytest's report is not JSON: it goes to cuda-tests.err)
+# (pytest's report is not JSON: it goes to stderr.txt)
 step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovider -rf \
   -k "not cluster and not scheduler" "${cuda_tests[@]}"
 step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"
