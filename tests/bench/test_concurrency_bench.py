@@ -118,6 +118,9 @@ def test_bench_batch_serves_each_level_in_repeated_passes(make_pair, capsys):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["repeats"] == 2 and out["all_outputs_equal_alone"]
+    # greedy on the CPU: every level's outputs equal to plain decoding, not just to alone
+    assert out["equality"] == "equal" and out["near_tie_logits"] == NEAR_TIE
+    assert all(r["outputs_equal_plain"] and r["equality"] == "equal" for r in out["levels"])
     levels = out["levels"]
     assert [(r["concurrency"], r["max_batch"]) for r in levels] == [(1, 2), (2, 2), (2, 1)]
     for row in levels:
@@ -186,3 +189,37 @@ def test_bench_seed_build_only_prints_the_pair(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (tmp_path / out["target"]).joinpath("complete").is_file()
     assert (tmp_path / out["drafter"]).joinpath("complete").is_file()
+
+
+def test_served_verdicts_say_where_an_output_parts_from_plain_decoding(make_pair):
+    """`served_verdicts` judges each level's outputs against plain greedy decoding of the
+    served prompt: an output equal to it is "equal"; one changed at position 3 parts there,
+    and is "differs" unless the plain run met a near tie by then."""
+    from sanctum.bench.batch import served_verdicts
+    from sanctum.bench.decode import _run_once
+    from sanctum.engine.model.target import load_target
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.settings import engine_settings
+
+    target_dir, drafter_dir = make_pair("hybrid", "dflash")
+    engine = engine_settings(model=str(target_dir), drafter=str(drafter_dir))
+    target = load_target(engine.model)
+    prompts = ["def add(a, b):", "for i in range(3):"]
+    requests = [GenerateRequest(prompt=p, max_tokens=6, request_id=f"r{i}") for i, p in enumerate(prompts)]  # fmt: skip
+    plain = [
+        _run_once(target, None, target.tokenizer.encode(p, add_special_tokens=False), 6, engine)[0][:6]
+        for p in prompts
+    ]  # fmt: skip
+    changed = [plain[0][:3] + [(plain[0][3] + 1) % target.vocab_size] + plain[0][4:], plain[1][:4]]
+    same, parted = served_verdicts(
+        engine, requests, [dict(enumerate(plain)), dict(enumerate(changed))]
+    )
+    assert [v["verdict"] for v in same] == ["equal", "equal"]
+    assert [v["equal_prefix"] for v in same] == [6, 6]
+    first, shorter = parted
+    assert first["equal_prefix"] == 3
+    tie = first["first_near_tie"]
+    assert first["verdict"] == (
+        "equal-up-to-near-tie" if tie is not None and tie <= 3 else "differs"
+    )
+    assert shorter == {"equal_prefix": 4, "first_near_tie": None, "verdict": "equal"}  # a prefix

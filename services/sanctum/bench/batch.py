@@ -4,7 +4,8 @@ The same requests are served at each concurrency by that many clients at once (i
 the actor cluster with `--cluster`; SANCTUM_MAX_BATCH = the largest concurrency; at 1 every round
 is one request's), then inline at the largest concurrency again with max_batch 1 (the
 round-robin), and each output is checked against the concurrency-1 run, where every request was
-served alone. `--steady R` measures the shared rounds themselves instead, without a server,
+served alone, and (greedy) against plain greedy decoding of its prompt: equal, or equal up to the
+plain run's first near tie (neartie.py; a GPU's batched kernels round differently). `--steady R` measures the shared rounds themselves instead, without a server,
 prefill or tails (`steady`)."""
 
 from __future__ import annotations
@@ -437,6 +438,7 @@ def run(args) -> dict:
         # whole plan again, in reverse every other time (a machine's drift falls on both ends)
         plan = [(c, max(levels)) for c in levels] + ([] if args.cluster else [(max(levels), 1)])
         runs: dict[tuple[int, int], list[dict]] = {step: [] for step in plan}
+        outputs: dict[tuple[int, int], dict] = {}  # each level's first pass: id -> tokens
         for rep in range(args.repeats):
             for clients, width in plan if rep % 2 == 0 else plan[::-1]:
                 if not args.cluster:
@@ -447,6 +449,7 @@ def run(args) -> dict:
                 log = _keep_work_log(backend)
                 wall, out = _serve(backend, requests, clients)
                 tokens = {i: toks for i, (toks, _) in out.items()}
+                outputs.setdefault((clients, width), tokens)
                 if alone is None:
                     alone = tokens
                 usages = [u for _, u in out.values()]
@@ -483,7 +486,7 @@ def run(args) -> dict:
                     for r, b in zip(runs[step], base)
                 ]
         top = rows[len(levels) - 1]["aggregate_tok_s"]
-        return {
+        result = {
             "requests": count,
             "repeats": args.repeats,
             "max_tokens": args.max_tokens,
@@ -503,3 +506,41 @@ def run(args) -> dict:
             import ray
 
             ray.shutdown()
+    # the server is closed: the plain runs' model is the only one loaded now
+    if args.temperature:
+        result["equality"] = "not checked: sampled"
+        return result
+    judged = served_verdicts(settings.engine, requests, [outputs[step] for step in plan])
+    for row, verdicts in zip(rows, judged):
+        row["outputs_equal_plain"] = all(v["verdict"] == "equal" for v in verdicts)
+        row["equality"] = worst([v["verdict"] for v in verdicts])
+        if row["equality"] != "equal":  # where each request parted from plain decoding
+            row["equality_per_request"] = verdicts
+    result["near_tie_logits"] = NEAR_TIE
+    result["equality"] = worst([r["equality"] for r in rows])
+    return result
+
+
+def served_verdicts(engine, requests: list, levels: list[dict]) -> list[list[dict]]:
+    """Each level's outputs (request index -> tokens) against plain greedy decoding of each
+    request's prompt, to as many tokens (neartie.py): per level, per request, the equal
+    prefix, the plain run's first near tie, the verdict. The target is loaded again here,
+    once the server has gone: a cluster's lives in another process."""
+    from ..engine.model.target import load_target
+    from .decode import _run_once
+
+    target = load_target(engine.model)
+    judged: list[list[dict]] = [[] for _ in levels]
+    for i, req in enumerate(requests):
+        prompt = target.tokenizer.encode(req.prompt, add_special_tokens=False)  # as served
+        longest = max(len(level[i]) for level in levels)
+        plain = _run_once(target, None, prompt, longest, engine)[0][:longest]
+        margins = None  # computed once, where some output parts from the plain run
+        for verdicts, level in zip(judged, levels):
+            tokens = level[i]
+            if margins is None and tokens != plain[: len(tokens)]:
+                margins = top_two_margins(target, prompt, plain)
+            n = len(tokens)
+            same, tie, verdict = near_tie_verdict(plain[:n], (margins or [])[:n], tokens)
+            verdicts.append({"equal_prefix": same, "first_near_tie": tie, "verdict": verdict})
+    return judged
