@@ -32,3 +32,13 @@ def test_shared_rounds_are_on_by_default(monkeypatch):
     monkeypatch.setenv("SANCTUM_MAX_BATCH", "0")
     with pytest.raises(ValueError, match="SANCTUM_MAX_BATCH"):
         settings.serve_settings()
+
+
+def test_a_shared_rollback_is_gathered_unless_views_are_asked_for(monkeypatch):
+    """SANCTUM_SHARED_ROLLBACK: gather by default, views on request, anything else refused."""
+    from sanctum.settings import device_settings
+
+    assert device_settings({}).shared_rollback == "gather"
+    assert device_settings({"SANCTUM_SHARED_ROLLBACK": "views"}).shared_rollback == "views"
+    with pytest.raises(ValueError, match="SANCTUM_SHARED_ROLLBACK"):
+        device_settings({"SANCTUM_SHARED_ROLLBACK": "copy"})

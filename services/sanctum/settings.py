@@ -169,6 +169,8 @@ class DeviceSettings:
     qmm_split_rows: int = var("SANCTUM_QMM_SPLIT_ROWS", 64, int)  # most rows through it
     qmm_wide: str = var("SANCTUM_QMM_WIDE", "auto")  # off: 16 rows a call past 16 rows
     draft_kernels: str = var("SANCTUM_DRAFT_KERNELS", "auto")  # off: MLX's ops on CUDA
+    # a shared rollback from the GDN kernel's rows of states: gather | views (gdn.py)
+    shared_rollback: str = var("SANCTUM_SHARED_ROLLBACK", "gather")
     fused_projections: str = var("SANCTUM_FUSED_PROJECTIONS", "on")  # off: each on its own
     cpu_jit: str = var("SANCTUM_CPU_JIT", "native")  # off: MLX's own compiler command
     draft_ahead: str = var("SANCTUM_DRAFT_AHEAD", "auto")  # auto (on a GPU) | on | off
@@ -188,6 +190,10 @@ def device_settings(env: Env = os.environ) -> DeviceSettings:
     )
     if s.path not in DEVICE_PATHS:
         raise ValueError(f"SANCTUM_DEVICE_PATH must be one of {DEVICE_PATHS}, got {s.path!r}")
+    if s.shared_rollback not in ("gather", "views"):
+        raise ValueError(
+            f"SANCTUM_SHARED_ROLLBACK must be gather or views, got {s.shared_rollback!r}"
+        )
     return s
 
 

@@ -46,8 +46,29 @@ def test_batch_greedy_equals_solo_for_mixed_lengths_and_kv(make_pair, kind, draf
         assert_as_alone(target, drafter, p, n, got[f"s{i}"], kv, f"sequence {i}")
 
 
-@pytest.mark.parametrize("kind", ["hybrid", "next"])
-def test_batch_with_every_acceptance_and_eos_inside_an_accepted_run(make_pair, kind):
+@pytest.mark.parametrize(
+    "kind,tape", [("hybrid", "chunk"), ("next", "chunk"), ("hybrid", "row_views")]
+)
+def test_batch_with_every_acceptance_and_eos_inside_an_accepted_run(
+    make_pair, monkeypatch, kind, tape
+):
+    """Every keep from 0 to the whole block, an EOS inside an accepted run, max_tokens
+    mid-block: each sequence's tokens are its plain run's; "row_views": the GDN kernel's rows
+    of states (its pure-MLX stand-in) rolled back as slices, kept across later rounds."""
+    if tape == "row_views":
+        from sanctum.engine.kernels import gdn_cuda
+        from sanctum.engine.model import gdn
+
+        monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
+        monkeypatch.setattr(gdn, "BLOCK_KERNEL_KEEPS_ROWS", True)
+        monkeypatch.setattr(gdn, "SHARED_ROLLBACK_VIEWS", True)
+        views = gdn.GDNBatchTape._roll_back_as_views
+        calls = []
+        monkeypatch.setattr(
+            gdn.GDNBatchTape,
+            "_roll_back_as_views",
+            lambda tape, keeps: calls.append(len(keeps)) or views(tape, keeps),
+        )
     target, drafter = load_pair(make_pair, kind, "dflash")
     L = 8
     kvs = ["fp16", "q8", "fp16", "q8"]
@@ -74,6 +95,8 @@ def test_batch_with_every_acceptance_and_eos_inside_an_accepted_run(make_pair, k
     assert got["s1"] == refs["s1"][:eos_pos]
     assert got["s2"] == refs["s2"][:13]
     assert got["s3"] == refs["s3"][:40]
+    if tape == "row_views":  # the slices' path rolled several sequences back at once
+        assert max(calls) > 1
 
 
 def test_seeded_sampling_in_a_batch_equals_the_seed_alone(make_pair):

@@ -78,7 +78,7 @@ def q8_dequantized() -> bool:
 
 
 # what `prepare` hands the GDN layers: (kernel or None, it keeps every row's state, in compile)
-InstallGDN = Callable[[Callable | None, bool, bool], None]
+InstallGDN = Callable[..., None]  # (kernel or None, keeps rows, in compile, shared views)
 
 
 def prepare(
@@ -111,7 +111,8 @@ def prepare(
         print(f"sanctum: GDN CUDA kernel disabled: {'; '.join(problems)}", file=sys.stderr)
         return
     in_compile = "eager only" not in (_checked[(*s, dtype)] for s in gdn_shapes)
-    install(gdn_cuda.gated_delta_cuda, True, in_compile)  # checked with its per-row states too
+    views = settings.device().shared_rollback == "views"
+    install(gdn_cuda.gated_delta_cuda, True, in_compile, views)  # checked with its rows' states
     _gdn.update(in_use=True, in_compile=in_compile)
     log.info("GDN block kernel checked on %s (%s): in use", sorted(gdn_shapes), dtype)
 

@@ -61,6 +61,11 @@ BLOCK_KERNEL_KEEPS_ROWS = False
 # PromptStore.put), or, False, as a copy (one kernel a layer every rollback). bench seed
 # measures both.
 ROLLBACK_VIEWS = True
+# A shared verify's rollback from rows of states: each sequence's kept state and conv window
+# as a slice of the pass's buffers (no kernel; the buffers, every sequence's rows, stay alive
+# until the next pass's rollback), or, False, gathered into new arrays (a few kernels a layer,
+# the rows' buffer freed at once). SANCTUM_SHARED_ROLLBACK=views (cuda.prepare).
+SHARED_ROLLBACK_VIEWS = False
 # Prefill (untaped multi-row passes) through mlx-lm's own recurrence, the token loop off Apple
 # GPUs: a bf16 prefill is then bit for bit mlx-lm's (the chunked form's float32 sums differ in
 # the last bits, which a bf16 model can carry into a different token). Slower; for checks.
@@ -135,6 +140,9 @@ class GDNBatchTape:
             for n, keep in keeps.items():
                 self.entries[n].rollback(keep)
             return
+        if self.row_states is not None and SHARED_ROLLBACK_VIEWS:
+            self._roll_back_as_views(keeps)
+            return
         kept = np.array([keeps.get(n, 0) for n in range(N)], np.int32)  # [N]
         n_conv = self.conv_input.shape[1] - self.entries[0].num_rows
         at = mx.array((kept[:, None] + np.arange(n_conv, dtype=np.int32))[..., None])
@@ -143,6 +151,19 @@ class GDNBatchTape:
         for n in keeps:
             cache = self.entries[n].cache
             cache[0], cache[1] = convs[n], states[n]
+
+    def _roll_back_as_views(self, keeps: dict[int, int]) -> None:
+        """`rollback` from rows of states with each cache's arrays slices of the pass's: the
+        state after the last kept row (before the pass when none is kept) and the conv window
+        ending there; no kernel runs."""
+        N, S = self.row_states.shape[:2]
+        flat = self.row_states.reshape(N * S, *self.row_states.shape[2:])  # [N * S, Hv, Dv, Dk]
+        n_conv = self.conv_input.shape[1] - self.entries[0].num_rows
+        for n, keep in keeps.items():
+            at = n * S + keep - 1
+            state = flat[at : at + 1] if keep else self.state_in[n : n + 1]  # [1, Hv, Dv, Dk]
+            cache = self.entries[n].cache
+            cache[0], cache[1] = self.conv_input[n : n + 1, keep : keep + n_conv], state
 
     def _states_at(self, keeps: np.ndarray) -> mx.array:
         """The recurrent state of each sequence after its keeps[n] rows ([N, Hv, Dv, Dk]), by
@@ -187,11 +208,14 @@ def _kernel_for(head_k_dim: int) -> bool:
     return platform.current().is_metal and head_k_dim >= 32 and head_k_dim % 32 == 0
 
 
-def use_block_kernel(kernel, keeps_rows: bool, in_compile: bool) -> None:
+def use_block_kernel(
+    kernel, keeps_rows: bool, in_compile: bool, shared_views: bool = False
+) -> None:
     """The block kernel multi-row passes take from now on (kernels/cuda.py's `prepare`, once
-    its check agreed; None: the MLX path)."""
-    global BLOCK_KERNEL, BLOCK_KERNEL_KEEPS_ROWS, BLOCK_KERNEL_IN_COMPILE
+    its check agreed; None: the MLX path), and how a shared rollback takes its rows' states."""
+    global BLOCK_KERNEL, BLOCK_KERNEL_KEEPS_ROWS, BLOCK_KERNEL_IN_COMPILE, SHARED_ROLLBACK_VIEWS
     BLOCK_KERNEL, BLOCK_KERNEL_KEEPS_ROWS, BLOCK_KERNEL_IN_COMPILE = kernel, keeps_rows, in_compile
+    SHARED_ROLLBACK_VIEWS = shared_views
 
 
 def _block_kernel(rows: int):
