@@ -19,6 +19,8 @@
 #                (pytest, which the machine must have: prepare-mlx-cuda.sh can carry it)
 #   default-gaps  bench gaps --warm on the default pair: a running stream's worst gap as streams
 #                2..8 join, and the running streams' worst gap while a ~4K prompt is prefilled
+#   seed-views   seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=views (a shared
+#                rollback as slices of the rows' states, against seed-steady's gather)
 #   seed-split   seed-steady's real levels again with SANCTUM_QMM_WIDE=off (16 rows a call)
 #   seed-trace   bench round-trace at 1,4,8 on it: each piece of a round timed and op-counted
 #   default-steady  the same as seed-steady on the default pair
@@ -145,6 +147,8 @@ step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovi
   -k "not cluster and not scheduler" "${cuda_tests[@]}"
 step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"
 if [ -n "$pair" ]; then
+  step seed-views 200 env SANCTUM_SHARED_ROLLBACK=views "${bench[@]}" batch --model "$target" \
+    --drafter "$drafter" "${steady[@]}"
   step seed-split 240 env SANCTUM_QMM_WIDE=off "${bench[@]}" batch --model "$target" \
     --drafter "$drafter" "${steady[@]}"
   step seed-trace 150 "${bench[@]}" round-trace --model "$target" --drafter "$drafter" \
