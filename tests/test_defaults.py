@@ -42,3 +42,13 @@ def test_a_shared_rollback_is_gathered_unless_views_are_asked_for(monkeypatch):
     assert device_settings({"SANCTUM_SHARED_ROLLBACK": "views"}).shared_rollback == "views"
     with pytest.raises(ValueError, match="SANCTUM_SHARED_ROLLBACK"):
         device_settings({"SANCTUM_SHARED_ROLLBACK": "copy"})
+
+
+def test_wide_kernel_groups_are_one_unless_set(monkeypatch):
+    """SANCTUM_QMM_WIDE_GROUPS: 1 by default, 2 or 4 on request, anything else refused."""
+    from sanctum.settings import device_settings
+
+    assert device_settings({}).qmm_wide_groups == 1
+    assert device_settings({"SANCTUM_QMM_WIDE_GROUPS": "2"}).qmm_wide_groups == 2
+    with pytest.raises(ValueError, match="SANCTUM_QMM_WIDE_GROUPS"):
+        device_settings({"SANCTUM_QMM_WIDE_GROUPS": "3"})

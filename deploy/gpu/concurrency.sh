@@ -10,7 +10,7 @@
 # Steps, most important first, each under its own `timeout` (a hang costs that step only):
 #   build        the seed-shaped pair (bench seed --build-only; reused under SEED_DIR)
 #   qmm-wide     the wide 4-bit kernel's check and a chain of the seed's MLP products at 1..64
-#                rows: one wide call, 16 rows a call, MLX's (the weights read once or per 16)
+#                rows: one wide call (16, 32 or 64 features a block), 16 rows a call, MLX's
 #   seed-steady  bench batch --steady at 1,4,8 on it: round ms, tok/s vs one, the phases, the
 #                op counts (COUNT), every output judged against plain greedy (near-tie verdicts);
 #                then the same levels with acceptance forced to tau 5 (random weights accept none)
@@ -21,6 +21,7 @@
 #                2..8 join, and the running streams' worst gap while a ~4K prompt is prefilled
 #   seed-views   seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=views (a shared
 #                rollback as slices of the rows' states, against seed-steady's gather)
+#   seed-groups  seed-steady's real levels again with SANCTUM_QMM_WIDE_GROUPS=2
 #   seed-split   seed-steady's real levels again with SANCTUM_QMM_WIDE=off (16 rows a call)
 #   seed-trace   bench round-trace at 1,4,8 on it: each piece of a round timed and op-counted
 #   default-steady  the same as seed-steady on the default pair
@@ -116,7 +117,7 @@ print(json.dumps({"python": sys.version.split()[0], "mlx": mx.__version__,
 STEPS=${STEPS:-}
 [ -z "$STEPS" ] || case " $STEPS " in *" seed-"*) STEPS="$STEPS build" ;; esac
 step build 300 "${bench[@]}" seed --build-only --json --dir "$seed_dir" "${seed_args[@]}"
-step qmm-wide 120 "$py" -c 'import json
+step qmm-wide 200 "$py" -c 'import json
 from sanctum.engine.kernels import cuda, qmm_cuda as q
 if not cuda.is_cuda():
     raise SystemExit(print(json.dumps({"skipped": "not on CUDA"})))
@@ -129,7 +130,12 @@ for rows in (1, 8, 16, 24, 40, 64):
         row["split_ms"] = round(q.chain_ms(split, rows=rows), 3)
     if rows > q.MAX_ROWS and verdict == "ok":
         row["wide_ms"] = round(q.chain_ms(q.wide_rows_qmm, rows=rows), 3)
-    print(json.dumps(row), flush=True)'
+        for g in (2, 4):  # 32 and 64 features a thread block (x read half, a quarter as often)
+            row[f"wide_g{g}_ms"] = round(q.chain_ms(q.wide_groups_qmm(g), rows=rows), 3)
+    print(json.dumps(row), flush=True)
+for g in (2, 4):
+    fn = q.wide_groups_qmm(g)
+    print(json.dumps({"groups": g, "verdict": q.check(fn, rows=(17, 24, 33, 40, 57, 64)) or "ok"}))'
 pair=$("$py" -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "\"build\"" in l and "target" in l]
 print(rows[-1]["target"], rows[-1]["drafter"]) if rows else None' "$lines")
@@ -148,6 +154,8 @@ step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovi
 step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"
 if [ -n "$pair" ]; then
   step seed-views 200 env SANCTUM_SHARED_ROLLBACK=views "${bench[@]}" batch --model "$target" \
+    --drafter "$drafter" "${steady[@]}"
+  step seed-groups 200 env SANCTUM_QMM_WIDE_GROUPS=2 "${bench[@]}" batch --model "$target" \
     --drafter "$drafter" "${steady[@]}"
   step seed-split 240 env SANCTUM_QMM_WIDE=off "${bench[@]}" batch --model "$target" \
     --drafter "$drafter" "${steady[@]}"

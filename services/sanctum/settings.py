@@ -168,6 +168,7 @@ class DeviceSettings:
     qmm_kernel: str = var("SANCTUM_QMM_KERNEL", "auto")  # off: MLX's 4-bit matmul on CUDA
     qmm_split_rows: int = var("SANCTUM_QMM_SPLIT_ROWS", 64, int)  # most rows through it
     qmm_wide: str = var("SANCTUM_QMM_WIDE", "auto")  # off: 16 rows a call past 16 rows
+    qmm_wide_groups: int = var("SANCTUM_QMM_WIDE_GROUPS", 1, int)  # 16-feature groups a block
     draft_kernels: str = var("SANCTUM_DRAFT_KERNELS", "auto")  # off: MLX's ops on CUDA
     # a shared rollback from the GDN kernel's rows of states: gather | views (gdn.py)
     shared_rollback: str = var("SANCTUM_SHARED_ROLLBACK", "gather")
@@ -190,6 +191,8 @@ def device_settings(env: Env = os.environ) -> DeviceSettings:
     )
     if s.path not in DEVICE_PATHS:
         raise ValueError(f"SANCTUM_DEVICE_PATH must be one of {DEVICE_PATHS}, got {s.path!r}")
+    if s.qmm_wide_groups not in (1, 2, 4):
+        raise ValueError(f"SANCTUM_QMM_WIDE_GROUPS must be 1, 2 or 4, got {s.qmm_wide_groups}")
     if s.shared_rollback not in ("gather", "views"):
         raise ValueError(
             f"SANCTUM_SHARED_ROLLBACK must be gather or views, got {s.shared_rollback!r}"

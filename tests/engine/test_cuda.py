@@ -28,12 +28,15 @@ def test_few_row_qmm_kernel_matches_mlx():
     assert qmm_cuda.check(shapes=((17408, 5120), (5120, 17408)), rows=(2, 8, 16)) is None
 
 
-def test_wide_qmm_kernel_matches_mlx():
-    """The wide variant (17..64 rows in one call) against MLX's quantized matmul, at a shared
-    verify's row counts, its check's shapes and the seed target's MLP shapes."""
-    assert qmm_cuda.check(qmm_cuda.wide_rows_qmm, rows=(17, 24, 33, 40, 57, 64)) is None
+@pytest.mark.parametrize("groups", qmm_cuda.GROUP_CHOICES)
+def test_wide_qmm_kernel_matches_mlx(groups):
+    """The wide variant (17..64 rows in one call, 16, 32 or 64 features a thread block)
+    against MLX's quantized matmul, at a shared verify's row counts, its check's shapes and
+    the seed target's MLP shapes."""
+    fn = qmm_cuda.wide_groups_qmm(groups)
+    assert qmm_cuda.check(fn, rows=(17, 24, 33, 40, 57, 64)) is None
     shapes = ((17408, 5120), (5120, 17408))
-    assert qmm_cuda.check(qmm_cuda.wide_rows_qmm, shapes=shapes, rows=(24, 64)) is None
+    assert qmm_cuda.check(fn, shapes=shapes, rows=(24, 64)) is None
 
 
 def test_cuda_paths_end_to_end():

@@ -92,6 +92,27 @@ def test_with_the_wide_kernel_a_shared_verify_takes_one_call(monkeypatch):
     assert "max error" in qmm_cuda.check(qmm_cuda.wide_rows_qmm, rows=(17, 40))
 
 
+def test_wide_groups_fall_back_where_they_do_not_divide_the_features(monkeypatch):
+    """A wide thread block owns WIDE_GROUPS groups of 16 features where they divide the
+    output features, else the most groups that do."""
+    seen = []
+
+    def launch(name, source, header, x, w, scales, biases, groups=0):
+        seen.append((w.shape[0], groups))
+        return qmm_cuda.reference(x, w, scales, biases)
+
+    monkeypatch.setattr(qmm_cuda, "_launch", launch)
+    monkeypatch.setattr(qmm_cuda, "WIDE_GROUPS", 4)
+    x = mx.random.normal((24, 512)).astype(mx.bfloat16)
+    for n_out in (64, 32, 16, 48):
+        layer = _layer(n_out=n_out)
+        y = qmm_cuda.wide_qmm(x, layer["weight"], layer["scales"], layer["biases"])
+        assert y.shape == (24, n_out)
+    assert seen == [(64, 4), (32, 2), (16, 1), (48, 1)]
+    qmm_cuda.wide_groups_qmm(2)(x, layer["weight"], layer["scales"], layer["biases"])
+    assert seen[-1] == (48, 1)  # asked for 2: 48 features take 1
+
+
 def test_check_accepts_the_reference_and_catches_a_bad_kernel():
     assert qmm_cuda.check(qmm_cuda.reference) is None
 

@@ -192,11 +192,13 @@ def _prepare_wide() -> None:
     if settings.device().qmm_wide == "off":
         _qmm["wide"] = "off (SANCTUM_QMM_WIDE=off)"
         return
+    groups = settings.device().qmm_wide_groups
     source = (qmm_cuda.WIDE_HEADER + qmm_cuda.WIDE_SOURCE).encode()
-    key = f"mlx {mx.__version__} qmm wide {hashlib.sha1(source).hexdigest()[:12]}"
-    result = _child_verdict(key, ["sanctum.engine.kernels.qmm_cuda", "wide"])
+    key = f"mlx {mx.__version__} qmm wide {hashlib.sha1(source).hexdigest()[:12]} G{groups}"
+    result = _child_verdict(key, ["sanctum.engine.kernels.qmm_cuda", "wide", str(groups)])
     _qmm["wide"] = result or "ok"
     qmm_cuda.WIDE = result is None
+    qmm_cuda.WIDE_GROUPS = groups
     if result is not None:
         log.warning("wide 4-bit matmul kernel not used: %s", result)
 

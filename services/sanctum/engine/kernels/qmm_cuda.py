@@ -221,18 +221,38 @@ SOURCE = SOURCE_HEAD + SOURCE_LOOP + SOURCE_TAIL
 _kernels: dict[str, object] = {}  # name -> the built mx.fast.cuda_kernel
 
 # The wide variant (`wide_qmm`, 17..WIDE_ROWS rows in one call: a shared verify's 24-64 rows):
-# the same tiles, mmas and reduction, but the x rows are read inside a tile's loop, one 16-byte
-# word of each 8-row tile at a time, instead of all of them ahead (8 row tiles of prefetched x
-# would not fit a thread's registers); the weights, the stream that matters, are still
-# prefetched a tile ahead. So the weights are read once for all the rows, not once per 16.
+# the same mmas, but the x rows are read inside a tile's loop, one 16-byte word of each 8-row
+# tile at a time, instead of all of them ahead (8 row tiles of prefetched x would not fit a
+# thread's registers); the weights, prefetched a tile ahead, are read once for all the rows.
+# A thread block owns G groups of 16 features: each x word a lane loads serves the G groups'
+# mmas, so x, which every block reads whole, is read N / (16 G) times instead of N / 16 (at
+# 64 rows x is 16 times the bytes of the weights it meets). The blocks' sums are reduced one
+# group at a time through the same shared buffer.
 WIDE_HEADER = (
     HEADER
     + """
+// The tile's weights of G groups of 16 features (rows n0 + 16 j + g and + 8 of group j).
+template <int K, int G, typename WP, typename SP>
+__device__ __forceinline__ void sanctum_load_groups(
+    SanctumWeights (&q)[G], int k, int n0, int g, WP w, SP scales, SP biases) {
+  #pragma unroll
+  for (int j = 0; j < G; ++j) {
+    const size_t na = n0 + 16 * j + g, nb = na + 8;
+    sanctum_load_weights(
+        q[j], k, reinterpret_cast<const uint4*>(w + na * (K / 8)),
+        reinterpret_cast<const uint4*>(w + nb * (K / 8)),
+        reinterpret_cast<const uint16_t*>(scales + na * (K / 64)),
+        reinterpret_cast<const uint16_t*>(scales + nb * (K / 64)),
+        reinterpret_cast<const uint16_t*>(biases + na * (K / 64)),
+        reinterpret_cast<const uint16_t*>(biases + nb * (K / 64)));
+  }
+}
+
 // sanctum_mma_tile's mmas with x read here: for each of the lane's 4 words of 8 k, the word of
-// every row tile, then their mmas.
-template <int M, int K, int NT>
-__device__ __forceinline__ void sanctum_mma_wide(
-    const SanctumWeights& q, int k, int g, const uint16_t* x, float (&c)[NT][4]) {
+// every row tile, then their mmas with each group's weights.
+template <int M, int K, int NT, int G, typename XP>
+__device__ __forceinline__ void sanctum_mma_groups(
+    const SanctumWeights (&q)[G], int k, int g, XP x, float (&c)[G][NT][4]) {
   #pragma unroll
   for (int i = 0; i < 4; ++i) {
     uint4 xs[NT];
@@ -242,31 +262,84 @@ __device__ __forceinline__ void sanctum_mma_wide(
       xs[h] = m < M ? reinterpret_cast<const uint4*>(x + (size_t)m * K + k)[i]
                     : make_uint4(0u, 0u, 0u, 0u);
     }
-    sanctum_mma_word<NT>(
-        sanctum_word(q.qa, i), sanctum_word(q.qb, i), q.sa, q.sb, q.ba, q.bb, xs, c);
+    #pragma unroll
+    for (int j = 0; j < G; ++j) {
+      sanctum_mma_word<NT>(
+          sanctum_word(q[j].qa, i), sanctum_word(q[j].qb, i), q[j].sa, q[j].sb, q[j].ba,
+          q[j].bb, xs, c[j]);
+    }
   }
 }
 """
 )
 
-WIDE_SOURCE = (
-    SOURCE_HEAD
-    + """
-    SanctumWeights cur, nxt;
+WIDE_SOURCE = """
+    constexpr int TILES = K / 128;
+    constexpr int NT = (M + 7) / 8;  // 8-row tiles of x (the mma's n)
+    const int lane = threadIdx.x;
+    const int warp = threadIdx.y;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int n0 = blockIdx.y * 16 * G;
+    float c[G][NT][4];
+    #pragma unroll
+    for (int j = 0; j < G; ++j) {
+      #pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        c[j][h][0] = c[j][h][1] = c[j][h][2] = c[j][h][3] = 0.0f;
+      }
+    }
+    SanctumWeights cur[G], nxt[G];
     int tile = warp;
     if (tile < TILES) {
-      sanctum_load_weights(cur, tile * 128 + 32 * t, wa, wb, sa, sb, ba, bb);
+      sanctum_load_groups<K, G>(cur, tile * 128 + 32 * t, n0, g, w, scales, biases);
     }
     for (; tile < TILES; tile += WARPS) {
       if (tile + WARPS < TILES) {
-        sanctum_load_weights(nxt, (tile + WARPS) * 128 + 32 * t, wa, wb, sa, sb, ba, bb);
+        sanctum_load_groups<K, G>(nxt, (tile + WARPS) * 128 + 32 * t, n0, g, w, scales, biases);
       }
-      sanctum_mma_wide<M, K, NT>(cur, tile * 128 + 32 * t, g, x, c);
-      cur = nxt;
+      sanctum_mma_groups<M, K, NT, G>(cur, tile * 128 + 32 * t, g, x, c);
+      #pragma unroll
+      for (int j = 0; j < G; ++j) {
+        cur[j] = nxt[j];
+      }
+    }
+    __shared__ float red[WARPS][NT * 4][32];
+    #pragma unroll
+    for (int j = 0; j < G; ++j) {
+      if (j > 0) {
+        __syncthreads();  // warp 0 has read the group before
+      }
+      #pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          red[warp][h * 4 + e][lane] = c[j][h][e];
+        }
+      }
+      __syncthreads();
+      if (warp == 0) {
+        #pragma unroll
+        for (int h = 0; h < NT; ++h) {
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float v = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < WARPS; ++i) {
+              v += red[i][h * 4 + e][lane];
+            }
+            const int m = 8 * h + 2 * t + (e & 1);  // the mma's C: row g (+8), columns 2t, 2t + 1
+            const int n = n0 + 16 * j + g + 8 * (e >> 1);
+            if (m < M) {
+              uint32_t u = __float_as_uint(v);
+              u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even, as astype does
+              y[(size_t)m * N + n] = (uint16_t)(u >> 16);
+            }
+          }
+        }
+      }
     }
 """
-    + SOURCE_TAIL
-)
 
 
 def supported(module: nn.Module) -> bool:
@@ -298,9 +371,12 @@ def small_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> m
     return _launch("sanctum_small_qmm", SOURCE, HEADER, x, w, scales, biases)
 
 
-def _launch(name: str, source: str, header: str, x: mx.array, w, scales, biases) -> mx.array:
+def _launch(
+    name: str, source: str, header: str, x: mx.array, w, scales, biases, groups: int = 0
+) -> mx.array:
     """Run kernel `name` (built from `source` and `header` at its first call) on x [M, K]:
-    a thread block per FEATURES output features, WARPS warps splitting K."""
+    a thread block per FEATURES output features (per `groups` * FEATURES where the kernel
+    takes a G), WARPS warps splitting K."""
     kernel = _kernels.get(name)
     if kernel is None:
         kernel = _kernels[name] = mx.fast.cuda_kernel(
@@ -312,6 +388,9 @@ def _launch(name: str, source: str, header: str, x: mx.array, w, scales, biases)
         )
     M, K = x.shape
     N = w.shape[0]
+    template = [("M", M), ("K", K), ("N", N), ("WARPS", WARPS)]
+    if groups:
+        template.append(("G", groups))
     (y,) = kernel(
         inputs=[
             mx.view(x, mx.uint16),
@@ -319,8 +398,8 @@ def _launch(name: str, source: str, header: str, x: mx.array, w, scales, biases)
             mx.view(scales, mx.uint16),
             mx.view(biases, mx.uint16),
         ],
-        template=[("M", M), ("K", K), ("N", N), ("WARPS", WARPS)],
-        grid=(32, WARPS * (N // FEATURES), 1),
+        template=template,
+        grid=(32, WARPS * (N // (FEATURES * max(1, groups))), 1),
         threadgroup=(32, WARPS, 1),
         output_shapes=[(M, N)],
         output_dtypes=[mx.uint16],
@@ -330,12 +409,20 @@ def _launch(name: str, source: str, header: str, x: mx.array, w, scales, biases)
 
 WIDE_ROWS = 64  # the most rows `wide_qmm` takes in one call
 WIDE = False  # rows_qmm sends 17..WIDE_ROWS rows to wide_qmm: set by cuda.prepare_linear
+WIDE_GROUPS = 1  # groups of 16 features a wide thread block owns (SANCTUM_QMM_WIDE_GROUPS)
+GROUP_CHOICES = (1, 2, 4)
 
 
-def wide_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
+def wide_qmm(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, groups: int | None = None
+) -> mx.array:
     """`small_qmm` for x [M, K] of MAX_ROWS < M <= WIDE_ROWS rows, in one call (the weights
-    read once for all of them)."""
-    return _launch("sanctum_wide_qmm", WIDE_SOURCE, WIDE_HEADER, x, w, scales, biases)
+    read once for all of them), `groups` (default WIDE_GROUPS) groups of 16 features a thread
+    block, fewer where they do not divide the features."""
+    groups = groups or WIDE_GROUPS
+    while w.shape[0] % (FEATURES * groups):
+        groups //= 2
+    return _launch("sanctum_wide_qmm", WIDE_SOURCE, WIDE_HEADER, x, w, scales, biases, groups)
 
 
 class FewRowsQuantizedLinear(nn.QuantizedLinear):
@@ -482,6 +569,17 @@ def wide_rows_qmm(x: mx.array, w, scales, biases) -> mx.array:
     return rows_qmm(x, w, scales, biases, wide=True)
 
 
+def wide_groups_qmm(groups: int):
+    """`wide_rows_qmm` with `groups` groups of 16 features a thread block (a benchmark's)."""
+
+    def fn(x: mx.array, w, scales, biases) -> mx.array:
+        if x.shape[0] <= MAX_ROWS:
+            return small_qmm(x, w, scales, biases)
+        return wide_qmm(x, w, scales, biases, groups)
+
+    return fn
+
+
 def wide_verdict() -> str | None:
     """`check` of the wide kernel at 17..WIDE_ROWS rows, then its speed gate: used only where
     WIDE_ROWS rows in one call beat MAX_ROWS rows a call (a chain of MLP-shaped products)."""
@@ -506,5 +604,7 @@ def verdict() -> str | None:
 
 
 if __name__ == "__main__":  # engine/kernels/cuda.py runs the checks here, in a child process
-    print(json.dumps({"verdict": wide_verdict() if sys.argv[1:] == ["wide"] else verdict()}))
+    if sys.argv[1:2] == ["wide"]:  # the wide kernel at the groups the parent will use
+        WIDE_GROUPS = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    print(json.dumps({"verdict": wide_verdict() if sys.argv[1:2] == ["wide"] else verdict()}))
     sys.exit(0)
