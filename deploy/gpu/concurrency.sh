@@ -139,7 +139,7 @@ for g in (2, 4):
 pair=$("$py" -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "\"build\"" in l and "target" in l]
 print(rows[-1]["target"], rows[-1]["drafter"]) if rows else None' "$lines")
-steady=(--steady "$rounds" --warm-rounds "$warm" --phases "$phases" --concurrency 1,4,8 --lines)
+steady=(--steady "$rounds" --warm-rounds "$warm" --phases "$phases" --concurrency 1,4,8 --lines --json)
 [ "$count" -gt 0 ] && steady+=(--count-ops "$count")
 if [ -n "$pair" ]; then
   read -r target drafter <<< "$pair"

@@ -238,8 +238,11 @@ def steady(args, levels: list[int], taus: list[int] = (0,)) -> dict:
         if args.lines:  # each level as it ends: a run cut short keeps the levels it measured
             print(json.dumps(row), flush=True)
     checked = [r for r in rows if r["force_tau"] is None]
+    from ..engine.kernels import cuda
+
     return {
         "mode": "steady rounds",
+        "policy": cuda.report(),  # the kernels and settings the rounds ran with
         "rounds": args.steady,
         "warm_rounds": args.warm_rounds,
         "block_size": decoder.block_size,

@@ -198,7 +198,7 @@ def _prepare_wide() -> None:
     result = _child_verdict(key, ["sanctum.engine.kernels.qmm_cuda", "wide", str(groups)])
     _qmm["wide"] = result or "ok"
     qmm_cuda.WIDE = result is None
-    qmm_cuda.WIDE_GROUPS = groups
+    qmm_cuda.WIDE_GROUPS = _qmm["wide_groups"] = groups
     if result is not None:
         log.warning("wide 4-bit matmul kernel not used: %s", result)
 
@@ -290,6 +290,7 @@ def report() -> dict:
         "q8_attention": "dequantized" if q8_dequantized() else "quantized",
         "gdn_block_kernel": _gdn["in_use"],
         "gdn_block_kernel_in_compile": _gdn["in_compile"],
+        "shared_rollback": settings.device().shared_rollback,
         "gdn_kernel_checks": {str(k[:4]) + f" {k[4]}": v or "ok" for k, v in _checked.items()},
         "few_row_qmm_kernel": dict(_qmm),
         "draft_kernels": dict(_draft),
