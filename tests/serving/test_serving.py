@@ -15,6 +15,18 @@ from helpers import PROMPTS as ALL_PROMPTS
 PROMPTS = ALL_PROMPTS[:4]
 
 
+def inline_backend(pair, max_active: int, round_delay=None, **more):
+    """An inline server of the pair with no prompt cache and the speculation gate off (`more`:
+    other serve settings; `round_delay`: a pause in every round)."""
+    from sanctum.serving.inline import InlineBackend
+    from sanctum.settings import serve_settings
+
+    settings = serve_settings(
+        pair[0], pair[1], cache_dir="none", max_active=max_active, env=NO_GATE, **more
+    )
+    return InlineBackend(settings, round_delay)
+
+
 def record_prefills(decoder) -> list:
     """The request of each prefill forward `decoder` runs from now on, in order."""
     prefilled, real = [], decoder.prefill
@@ -24,15 +36,13 @@ def record_prefills(decoder) -> list:
 
 def test_scheduler_interleaves_bounds_and_cancels(pair, engine):
     from sanctum.serving.errors import InvalidRequest, QueueFull
-    from sanctum.serving.inline import InlineBackend, RoundDelay
+    from sanctum.serving.inline import RoundDelay
     from sanctum.serving.requests import GenerateRequest
-    from sanctum.settings import serve_settings
 
     _, _, reference = engine
     # 20 ms per round: greedy runs of the tiny pair hit EOS after 46-850 tokens, and the
     # "long" requests below must still be running when the queue is checked
-    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
-                                           max_queue=1, env=NO_GATE), RoundDelay(0.02))  # fmt: skip
+    backend = inline_backend(pair, 2, RoundDelay(0.02), max_queue=1)
     try:
         backend.ready(60)
         sched = backend.scheduler
@@ -84,12 +94,10 @@ def test_queue_full_message_counts_what_stats_count(pair):
     """RESOURCE_EXHAUSTED's message counts requests as stats does, those being opened or
     prefilled included."""
     from sanctum.serving.errors import QueueFull
-    from sanctum.serving.inline import InlineBackend, RoundDelay
+    from sanctum.serving.inline import RoundDelay
     from sanctum.serving.requests import GenerateRequest
-    from sanctum.settings import serve_settings
 
-    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
-                                           max_queue=1, env=NO_GATE), RoundDelay(0.02))  # fmt: skip
+    backend = inline_backend(pair, 2, RoundDelay(0.02), max_queue=1)
     try:
         backend.ready(60)
         sched = backend.scheduler
@@ -113,13 +121,10 @@ def test_long_prompt_prefills_in_slices_between_rounds(pair, engine):
     """A long prompt arriving while another request decodes is prefilled a slice at a time, with
     the other request's rounds in between (its stream does not stall for the whole prompt), and
     both outputs are still the engine's own."""
-    from sanctum.serving.inline import InlineBackend
     from sanctum.serving.requests import GenerateRequest
-    from sanctum.settings import serve_settings
 
     _, _, reference = engine
-    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=2,
-                                           env=NO_GATE))  # fmt: skip
+    backend = inline_backend(pair, max_active=2)
     try:
         backend.ready(60)
         sched, verifier = backend.scheduler, backend.scheduler.verifier
@@ -214,13 +219,10 @@ def test_requests_arriving_during_a_prefill_join_the_first_round(pair, engine):
     the first request's first block (not left to the round after). Outputs are the engine's."""
     import collections
 
-    from sanctum.serving.inline import InlineBackend
     from sanctum.serving.requests import GenerateRequest
-    from sanctum.settings import serve_settings
 
     _, _, reference = engine
-    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=3,
-                                           env=NO_GATE))  # fmt: skip
+    backend = inline_backend(pair, max_active=3)
     try:
         backend.ready(60)
         sched, verifier = backend.scheduler, backend.scheduler.verifier
@@ -259,13 +261,10 @@ def test_a_burst_of_short_prompts_rides_one_round_with_no_prefill(pair, engine, 
     import collections
 
     from sanctum.serving import scheduler
-    from sanctum.serving.inline import InlineBackend
     from sanctum.serving.requests import GenerateRequest
-    from sanctum.settings import serve_settings
 
     _, _, reference = engine
-    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=3,
-                                           env=NO_GATE))  # fmt: skip
+    backend = inline_backend(pair, max_active=3)
     try:
         backend.ready(60)
         sched, verifier = backend.scheduler, backend.scheduler.verifier
@@ -273,9 +272,13 @@ def test_a_burst_of_short_prompts_rides_one_round_with_no_prefill(pair, engine, 
         prefilled = record_prefills(verifier.decoder)
         real_prepare = verifier.prepare
 
-        def prepare(req):  # the others take longer to prepare (tokenize) than the first
-            if req.request_id != "r0":
-                time.sleep(0.2)
+        submitted = threading.Event()
+
+        def prepare(req):  # the others take longer to prepare (tokenize) than the first,
+            if req.request_id != "r0":  # which is ready only once all three were submitted
+                time.sleep(0.2)  # (a busy machine could otherwise run its round before
+            else:  # the test thread submits the others)
+                submitted.wait(5.0)
             return real_prepare(req)
 
         verifier.prepare = prepare
@@ -284,6 +287,7 @@ def test_a_burst_of_short_prompts_rides_one_round_with_no_prefill(pair, engine, 
             sched.submit(GenerateRequest(prompt=PROMPTS[i], max_tokens=12, request_id=f"r{i}"))
             for i in range(3)
         ]
+        submitted.set()
         t0 = time.monotonic()
         outs = [list(t) for t in tickets]
         assert time.monotonic() - t0 < 5.0  # (the wait ended when they were ready)
@@ -336,12 +340,10 @@ def test_no_request_stalls_the_others(pair, engine):
     prefilled in slices, and the stream's worst gap between chunks stays well under a second (a
     prompt tokenized on the model's thread would stall every stream)."""
     from sanctum.serving.errors import InvalidRequest
-    from sanctum.serving.inline import InlineBackend, RoundDelay
+    from sanctum.serving.inline import RoundDelay
     from sanctum.serving.requests import GenerateRequest
-    from sanctum.settings import serve_settings
 
-    backend = InlineBackend(serve_settings(pair[0], pair[1], cache_dir="none", max_active=4,
-                                           env=NO_GATE), RoundDelay(0.005))  # fmt: skip
+    backend = inline_backend(pair, 4, RoundDelay(0.005))
     try:
         backend.ready(60)
         sched = backend.scheduler
