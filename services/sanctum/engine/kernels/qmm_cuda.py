@@ -129,6 +129,43 @@ __device__ __forceinline__ void sanctum_mma_word(
   }
 }
 
+// One group of 16 features' sums into y: each warp's partial sums (its share of K) through
+// `red`, added up by warp 0 and rounded to bfloat16 as astype rounds.
+template <int M, int N, int NT, int WARPS, typename YP>
+__device__ __forceinline__ void sanctum_reduce_store(
+    const float (&c)[NT][4], float (&red)[WARPS][NT * 4][32], int warp, int lane, int n0, YP y) {
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  #pragma unroll
+  for (int h = 0; h < NT; ++h) {
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      red[warp][h * 4 + e][lane] = c[h][e];
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {
+    #pragma unroll
+    for (int h = 0; h < NT; ++h) {
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < WARPS; ++i) {
+          v += red[i][h * 4 + e][lane];
+        }
+        const int m = 8 * h + 2 * t + (e & 1);  // the mma's C: row g (+8), columns 2t, 2t + 1
+        const int n = n0 + g + 8 * (e >> 1);
+        if (m < M) {
+          uint32_t u = __float_as_uint(v);
+          u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even, as astype does
+          y[(size_t)m * N + n] = (uint16_t)(u >> 16);
+        }
+      }
+    }
+  }
+}
+
 // The 8 mmas (m16n8k16) of a 128-wide tile, its x words loaded ahead.
 template <int NT>
 __device__ __forceinline__ void sanctum_mma_tile(const SanctumTile<NT>& q, float (&c)[NT][4]) {
@@ -188,34 +225,7 @@ SOURCE_LOOP = """
 """
 SOURCE_TAIL = """
     __shared__ float red[WARPS][NT * 4][32];
-    #pragma unroll
-    for (int h = 0; h < NT; ++h) {
-      #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        red[warp][h * 4 + j][lane] = c[h][j];
-      }
-    }
-    __syncthreads();
-    if (warp == 0) {
-      #pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          float v = 0.0f;
-          #pragma unroll
-          for (int i = 0; i < WARPS; ++i) {
-            v += red[i][h * 4 + j][lane];
-          }
-          const int m = 8 * h + 2 * t + (j & 1);  // the mma's C: row g (+8), columns 2t, 2t + 1
-          const int n = n0 + g + 8 * (j >> 1);
-          if (m < M) {
-            uint32_t u = __float_as_uint(v);
-            u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even, as astype does
-            y[(size_t)m * N + n] = (uint16_t)(u >> 16);
-          }
-        }
-      }
-    }
+    sanctum_reduce_store<M, N, NT, WARPS>(c, red, warp, lane, n0, y);
 """
 SOURCE = SOURCE_HEAD + SOURCE_LOOP + SOURCE_TAIL
 _kernels: dict[str, object] = {}  # name -> the built mx.fast.cuda_kernel
@@ -310,34 +320,7 @@ WIDE_SOURCE = """
       if (j > 0) {
         __syncthreads();  // warp 0 has read the group before
       }
-      #pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          red[warp][h * 4 + e][lane] = c[j][h][e];
-        }
-      }
-      __syncthreads();
-      if (warp == 0) {
-        #pragma unroll
-        for (int h = 0; h < NT; ++h) {
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float v = 0.0f;
-            #pragma unroll
-            for (int i = 0; i < WARPS; ++i) {
-              v += red[i][h * 4 + e][lane];
-            }
-            const int m = 8 * h + 2 * t + (e & 1);  // the mma's C: row g (+8), columns 2t, 2t + 1
-            const int n = n0 + 16 * j + g + 8 * (e >> 1);
-            if (m < M) {
-              uint32_t u = __float_as_uint(v);
-              u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even, as astype does
-              y[(size_t)m * N + n] = (uint16_t)(u >> 16);
-            }
-          }
-        }
-      }
+      sanctum_reduce_store<M, N, NT, WARPS>(c[j], red, warp, lane, n0 + 16 * j, y);
     }
 """
 
