@@ -184,17 +184,24 @@ __device__ __forceinline__ void sanctum_mma_tile(const SanctumTile<NT>& q, float
 """
 
 # The kernel in three parts: its set-up, its loop over K tiles, and the reduction across warps
-# and the rounded store; the wide variant (below) has a loop of its own between the same two.
-SOURCE_HEAD = """
-    // One thread block per 16 output features; its warps split K in 128-wide tiles and
-    // add their partial sums at the end. A lane (g = lane / 4, t = lane % 4) holds features
-    // n0 + g and n0 + g + 8 and the x row g (+ 8 h): 32 consecutive k of each per tile.
+# and the rounded store; the wide variant (below) has set-up and a loop of its own. Both start
+# from the tiles' and the lane's indices (a lane: g = lane / 4, t = lane % 4).
+SOURCE_INDICES = """
     constexpr int TILES = K / 128;
     constexpr int NT = (M + 7) / 8;  // 8-row tiles of x (the mma's n)
     const int lane = threadIdx.x;
     const int warp = threadIdx.y;
     const int g = lane >> 2;
     const int t = lane & 3;
+"""
+SOURCE_HEAD = (
+    """
+    // One thread block per 16 output features; its warps split K in 128-wide tiles and
+    // add their partial sums at the end. A lane holds features n0 + g and n0 + g + 8 and the
+    // x row g (+ 8 h): 32 consecutive k of each per tile.
+"""
+    + SOURCE_INDICES
+    + """
     const int n0 = blockIdx.y * 16;
     const uint4* wa = reinterpret_cast<const uint4*>(w + (size_t)(n0 + g) * (K / 8));
     const uint4* wb = reinterpret_cast<const uint4*>(w + (size_t)(n0 + g + 8) * (K / 8));
@@ -208,6 +215,7 @@ SOURCE_HEAD = """
       c[h][0] = c[h][1] = c[h][2] = c[h][3] = 0.0f;
     }
 """
+)
 SOURCE_LOOP = """
     SanctumTile<NT> cur, nxt;
     int tile = warp;
@@ -283,13 +291,9 @@ __device__ __forceinline__ void sanctum_mma_groups(
 """
 )
 
-WIDE_SOURCE = """
-    constexpr int TILES = K / 128;
-    constexpr int NT = (M + 7) / 8;  // 8-row tiles of x (the mma's n)
-    const int lane = threadIdx.x;
-    const int warp = threadIdx.y;
-    const int g = lane >> 2;
-    const int t = lane & 3;
+WIDE_SOURCE = (
+    SOURCE_INDICES
+    + """
     const int n0 = blockIdx.y * 16 * G;
     float c[G][NT][4];
     #pragma unroll
@@ -323,6 +327,7 @@ WIDE_SOURCE = """
       sanctum_reduce_store<M, N, NT, WARPS>(c[j], red, warp, lane, n0 + 16 * j, y);
     }
 """
+)
 
 
 def supported(module: nn.Module) -> bool:
