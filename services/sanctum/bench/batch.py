@@ -5,8 +5,8 @@ the actor cluster with `--cluster`; SANCTUM_MAX_BATCH = the largest concurrency;
 is one request's), then inline at the largest concurrency again with max_batch 1 (the
 round-robin), and each output is checked against the concurrency-1 run, where every request was
 served alone, and (greedy) against plain greedy decoding of its prompt: equal, or equal up to the
-plain run's first near tie (neartie.py; a GPU's batched kernels round differently). `--steady R` measures the shared rounds themselves instead, without a server,
-prefill or tails (`steady`)."""
+plain run's first near tie (neartie.py; a GPU's batched kernels round differently). `--steady R`
+measures the shared rounds themselves instead, without a server, prefill or tails (`steady`)."""
 
 from __future__ import annotations
 
@@ -160,6 +160,7 @@ def steady(args, levels: list[int], taus: list[int] = (0,)) -> dict:
     from ..engine.decode.peer import LocalDraftPeer
     from ..engine.decode.policy import DecodePolicy
     from ..engine.decode.rounds import BatchDecoder
+    from ..engine.kernels import cuda
     from ..serving.inline import load_models
     from ..settings import engine_settings, model_flags
 
@@ -238,8 +239,6 @@ def steady(args, levels: list[int], taus: list[int] = (0,)) -> dict:
         if args.lines:  # each level as it ends: a run cut short keeps the levels it measured
             print(json.dumps(row), flush=True)
     checked = [r for r in rows if r["force_tau"] is None]
-    from ..engine.kernels import cuda
-
     return {
         "mode": "steady rounds",
         "policy": cuda.report(),  # the kernels and settings the rounds ran with
