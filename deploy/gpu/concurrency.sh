@@ -14,7 +14,8 @@
 #   seed-steady  bench batch --steady at 1,4,8 on it: round ms, tok/s vs one, the phases, the
 #                op counts (COUNT), every output judged against plain greedy (near-tie verdicts);
 #                then the same levels with acceptance forced to tau 5 (random weights accept none)
-#   default-served  bench batch --concurrency 1,4,8 --warm on the default pair, served inline
+#   default-served  bench batch --concurrency 1,4,8 --warm --repeats 3 on the default pair, served
+#                inline (a level lasts under a second there: the medians of three passes)
 #   cuda-tests   the CUDA tests and the greedy-equality tests judged up to a near tie there
 #                (pytest, which the machine must have: prepare-mlx-cuda.sh can carry it)
 #   default-gaps  bench gaps --warm on the default pair: a running stream's worst gap as streams
@@ -146,7 +147,7 @@ if [ -n "$pair" ]; then
   step seed-steady 330 "${bench[@]}" batch --model "$target" --drafter "$drafter" "${steady[@]}" \
     --force-tau 0,5
 fi
-step default-served 150 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --json
+step default-served 150 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --repeats 3 --json
 cuda_tests=(tests/engine/test_cuda.py tests/engine/test_lookup.py tests/engine/test_batch_rounds.py)
 # (pytest's report is not JSON: it goes to stderr.txt)
 step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovider -rf \
