@@ -62,13 +62,17 @@ def test_batch_with_every_acceptance_and_eos_inside_an_accepted_run(
         monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
         monkeypatch.setattr(gdn, "BLOCK_KERNEL_KEEPS_ROWS", True)
         monkeypatch.setattr(gdn, "SHARED_ROLLBACK_VIEWS", True)
-        views = gdn.GDNBatchTape._roll_back_as_views
-        calls = []
+        rollback, calls = gdn.GDNBatchTape.rollback, []
         monkeypatch.setattr(
             gdn.GDNBatchTape,
-            "_roll_back_as_views",
-            lambda tape, keeps: calls.append(len(keeps)) or views(tape, keeps),
+            "rollback",
+            lambda tape, keeps: calls.append(len(keeps)) or rollback(tape, keeps),
         )
+
+        def no_gather(*_):
+            raise AssertionError("the kept states were gathered, not sliced")
+
+        monkeypatch.setattr(gdn.GDNBatchTape, "_states_at", no_gather)
     target, drafter = load_pair(make_pair, kind, "dflash")
     L = 8
     kvs = ["fp16", "q8", "fp16", "q8"]

@@ -61,10 +61,11 @@ BLOCK_KERNEL_KEEPS_ROWS = False
 # PromptStore.put), or, False, as a copy (one kernel a layer every rollback). bench seed
 # measures both.
 ROLLBACK_VIEWS = True
-# A shared verify's rollback from rows of states: each sequence's kept state and conv window
-# as a slice of the pass's buffers (no kernel; the buffers, every sequence's rows, stay alive
-# until the next pass's rollback), or, False, gathered into new arrays (a few kernels a layer,
-# the rows' buffer freed at once). SANCTUM_SHARED_ROLLBACK=views (cuda.prepare).
+# A shared verify's rollback from rows of states: each sequence rolled back by its own tape,
+# whose rows are a slice of the pass's (with ROLLBACK_VIEWS no kernel; the buffers, every
+# sequence's rows, stay alive until the next pass's rollback), or, False, the kept states
+# gathered for all at once (a few kernels a layer, the rows' buffer freed at once).
+# SANCTUM_SHARED_ROLLBACK=views (cuda.prepare).
 SHARED_ROLLBACK_VIEWS = False
 # Prefill (untaped multi-row passes) through mlx-lm's own recurrence, the token loop off Apple
 # GPUs: a bf16 prefill is then bit for bit mlx-lm's (the chunked form's float32 sums differ in
@@ -133,15 +134,11 @@ class GDNBatchTape:
         if not keeps:
             return
         N = len(self.entries)
-        shared = self.conv_input is not None and (
-            self.chunk_parts is not None or (self.row_states is not None and N > 1)
-        )
-        if not shared:  # recurrence inputs (Metal), or one sequence's row-state views
-            for n, keep in keeps.items():
+        gather = self.row_states is not None and N > 1 and not SHARED_ROLLBACK_VIEWS
+        shared = self.conv_input is not None and (self.chunk_parts is not None or gather)
+        if not shared:  # recurrence inputs (Metal), or row-state views: each sequence's own
+            for n, keep in keeps.items():  # (its entry's rows are a slice of the pass's)
                 self.entries[n].rollback(keep)
-            return
-        if self.row_states is not None and SHARED_ROLLBACK_VIEWS:
-            self._roll_back_as_views(keeps)
             return
         kept = np.array([keeps.get(n, 0) for n in range(N)], np.int32)  # [N]
         n_conv = self.conv_input.shape[1] - self.entries[0].num_rows
@@ -151,19 +148,6 @@ class GDNBatchTape:
         for n in keeps:
             cache = self.entries[n].cache
             cache[0], cache[1] = convs[n], states[n]
-
-    def _roll_back_as_views(self, keeps: dict[int, int]) -> None:
-        """`rollback` from rows of states with each cache's arrays slices of the pass's: the
-        state after the last kept row (before the pass when none is kept) and the conv window
-        ending there; no kernel runs."""
-        N, S = self.row_states.shape[:2]
-        flat = self.row_states.reshape(N * S, *self.row_states.shape[2:])  # [N * S, Hv, Dv, Dk]
-        n_conv = self.conv_input.shape[1] - self.entries[0].num_rows
-        for n, keep in keeps.items():
-            at = n * S + keep - 1
-            state = flat[at : at + 1] if keep else self.state_in[n : n + 1]  # [1, Hv, Dv, Dk]
-            cache = self.entries[n].cache
-            cache[0], cache[1] = self.conv_input[n : n + 1, keep : keep + n_conv], state
 
     def _states_at(self, keeps: np.ndarray) -> mx.array:
         """The recurrent state of each sequence after its keeps[n] rows ([N, Hv, Dv, Dk]), by
