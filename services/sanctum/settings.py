@@ -152,6 +152,8 @@ def cache_settings(
 # ---- the engine's device ----------------------------------------------------------------------
 
 DEVICE_PATHS = ("auto", "cpu", "cuda", "metal")
+QMM_WIDE_GROUPS = (1, 2, 4)  # groups of 16 features a wide 4-bit kernel's thread block owns
+SHARED_ROLLBACKS = ("gather", "views")
 CUDNN_FLAGS = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_CUDA_USE_CUDNN_SPDA")  # MLX's, older spelling too
 
 
@@ -191,11 +193,13 @@ def device_settings(env: Env = os.environ) -> DeviceSettings:
     )
     if s.path not in DEVICE_PATHS:
         raise ValueError(f"SANCTUM_DEVICE_PATH must be one of {DEVICE_PATHS}, got {s.path!r}")
-    if s.qmm_wide_groups not in (1, 2, 4):
-        raise ValueError(f"SANCTUM_QMM_WIDE_GROUPS must be 1, 2 or 4, got {s.qmm_wide_groups}")
-    if s.shared_rollback not in ("gather", "views"):
+    if s.qmm_wide_groups not in QMM_WIDE_GROUPS:
         raise ValueError(
-            f"SANCTUM_SHARED_ROLLBACK must be gather or views, got {s.shared_rollback!r}"
+            f"SANCTUM_QMM_WIDE_GROUPS must be one of {QMM_WIDE_GROUPS}, got {s.qmm_wide_groups}"
+        )
+    if s.shared_rollback not in SHARED_ROLLBACKS:
+        raise ValueError(
+            f"SANCTUM_SHARED_ROLLBACK must be one of {SHARED_ROLLBACKS}, got {s.shared_rollback!r}"
         )
     return s
 

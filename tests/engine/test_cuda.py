@@ -8,6 +8,7 @@ from argparse import Namespace
 
 import mlx.core as mx
 import pytest
+from sanctum import settings
 from sanctum.engine.kernels import cuda, draft_cuda, gdn_cuda, qmm_cuda
 
 pytestmark = pytest.mark.skipif(not cuda.is_cuda(), reason="needs MLX's CUDA backend")
@@ -28,7 +29,7 @@ def test_few_row_qmm_kernel_matches_mlx():
     assert qmm_cuda.check(shapes=((17408, 5120), (5120, 17408)), rows=(2, 8, 16)) is None
 
 
-@pytest.mark.parametrize("groups", qmm_cuda.GROUP_CHOICES)
+@pytest.mark.parametrize("groups", settings.QMM_WIDE_GROUPS)
 def test_wide_qmm_kernel_matches_mlx(groups):
     """The wide variant (17..64 rows in one call, 16, 32 or 64 features a thread block)
     against MLX's quantized matmul, at a shared verify's row counts, its check's shapes and

@@ -398,7 +398,6 @@ def _launch(
 WIDE_ROWS = 64  # the most rows `wide_qmm` takes in one call
 WIDE = False  # rows_qmm sends 17..WIDE_ROWS rows to wide_qmm: set by cuda.prepare_linear
 WIDE_GROUPS = 1  # groups of 16 features a wide thread block owns (SANCTUM_QMM_WIDE_GROUPS)
-GROUP_CHOICES = (1, 2, 4)
 
 
 def wide_qmm(
@@ -459,15 +458,17 @@ def _through_kernel(x: mx.array, w, scales, biases) -> mx.array | None:
 SPLIT_ROWS = 64  # SANCTUM_QMM_SPLIT_ROWS, set by cuda.prepare_linear
 
 
-def rows_qmm(x: mx.array, w, scales, biases, wide: bool | None = None) -> mx.array:
+def rows_qmm(
+    x: mx.array, w, scales, biases, wide: bool | None = None, groups: int | None = None
+) -> mx.array:
     """`small_qmm` for x [M, K] of 2..SPLIT_ROWS rows: MAX_ROWS rows a call (a last call of one
     row borrows one from the call before: the kernel takes 2 or more), or with `wide` (default
-    WIDE) up to WIDE_ROWS rows in one `wide_qmm` call."""
+    WIDE) up to WIDE_ROWS rows in one `wide_qmm` call (`groups`: its groups of features)."""
     rows = x.shape[0]
     if rows <= MAX_ROWS:
         return small_qmm(x, w, scales, biases)
     if (WIDE if wide is None else wide) and rows <= WIDE_ROWS:
-        return wide_qmm(x, w, scales, biases)
+        return wide_qmm(x, w, scales, biases, groups)
     cuts = list(range(0, rows, MAX_ROWS)) + [rows]
     if cuts[-1] - cuts[-2] == 1:
         cuts[-2] -= 1
@@ -559,13 +560,7 @@ def wide_rows_qmm(x: mx.array, w, scales, biases) -> mx.array:
 
 def wide_groups_qmm(groups: int):
     """`wide_rows_qmm` with `groups` groups of 16 features a thread block (a benchmark's)."""
-
-    def fn(x: mx.array, w, scales, biases) -> mx.array:
-        if x.shape[0] <= MAX_ROWS:
-            return small_qmm(x, w, scales, biases)
-        return wide_qmm(x, w, scales, biases, groups)
-
-    return fn
+    return lambda x, w, scales, biases: rows_qmm(x, w, scales, biases, True, groups)
 
 
 def wide_verdict() -> str | None:
