@@ -284,15 +284,28 @@ def open_level(decoder, settings, n: int, budget: int, key) -> tuple[list, list,
 def plain_verdicts(target, settings, prompts: list, outs: list) -> list[dict]:
     """Each output against plain greedy decoding of its prompt, to as many tokens
     (neartie.py): the equal prefix, the plain run's first near tie, the verdict."""
+    return judged_against_plain(target, settings, prompts, [dict(enumerate(outs))])[0]
+
+
+def judged_against_plain(target, engine, prompts: list, levels: list[dict]) -> list[list[dict]]:
+    """`plain_verdicts` of several levels' outputs of the same prompts (each level: prompt
+    index -> tokens), one plain run a prompt (as long as its longest output): per level, per
+    prompt, the equal prefix, the plain run's first near tie, the verdict."""
     from .decode import _run_once
 
-    verdicts = []
-    for prompt, tokens in zip(prompts, outs):
-        plain = _run_once(target, None, prompt, len(tokens), settings)[0]
-        margins = [] if plain == tokens else top_two_margins(target, prompt, plain)
-        same, tie, verdict = near_tie_verdict(plain, margins, tokens)
-        verdicts.append({"equal_prefix": same, "first_near_tie": tie, "verdict": verdict})
-    return verdicts
+    judged: list[list[dict]] = [[] for _ in levels]
+    for i, prompt in enumerate(prompts):
+        longest = max(len(level[i]) for level in levels)
+        plain = _run_once(target, None, prompt, longest, engine)[0][:longest]
+        margins = None  # computed once, where some output parts from the plain run
+        for verdicts, level in zip(judged, levels):
+            tokens = level[i]
+            if margins is None and tokens != plain[: len(tokens)]:
+                margins = top_two_margins(target, prompt, plain)
+            n = len(tokens)
+            same, tie, verdict = near_tie_verdict(plain[:n], (margins or [])[:n], tokens)
+            verdicts.append({"equal_prefix": same, "first_near_tie": tie, "verdict": verdict})
+    return judged
 
 
 def count_rounds(decoder, seqs: list, key, out: list[list[int]], rounds: int) -> dict:
@@ -524,25 +537,11 @@ def run(args) -> dict:
 
 
 def served_verdicts(engine, requests: list, levels: list[dict]) -> list[list[dict]]:
-    """Each level's outputs (request index -> tokens) against plain greedy decoding of each
-    request's prompt, to as many tokens (neartie.py): per level, per request, the equal
-    prefix, the plain run's first near tie, the verdict. The target is loaded again here,
-    once the server has gone: a cluster's lives in another process."""
+    """`judged_against_plain` of each level's served outputs (request index -> tokens), the
+    prompts encoded as served. The target is loaded again here, once the server has gone: a
+    cluster's lives in another process."""
     from ..engine.model.target import load_target
-    from .decode import _run_once
 
     target = load_target(engine.model)
-    judged: list[list[dict]] = [[] for _ in levels]
-    for i, req in enumerate(requests):
-        prompt = target.tokenizer.encode(req.prompt, add_special_tokens=False)  # as served
-        longest = max(len(level[i]) for level in levels)
-        plain = _run_once(target, None, prompt, longest, engine)[0][:longest]
-        margins = None  # computed once, where some output parts from the plain run
-        for verdicts, level in zip(judged, levels):
-            tokens = level[i]
-            if margins is None and tokens != plain[: len(tokens)]:
-                margins = top_two_margins(target, prompt, plain)
-            n = len(tokens)
-            same, tie, verdict = near_tie_verdict(plain[:n], (margins or [])[:n], tokens)
-            verdicts.append({"equal_prefix": same, "first_near_tie": tie, "verdict": verdict})
-    return judged
+    prompts = [target.tokenizer.encode(r.prompt, add_special_tokens=False) for r in requests]
+    return judged_against_plain(target, engine, prompts, levels)
