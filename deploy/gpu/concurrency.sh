@@ -30,7 +30,8 @@
 # limit for the seed's batched levels), kept under MLX_PTX_CACHE_DIR for later runs; after each
 # step the caches (that folder, and the driver's ~/.nv/ComputeCache) are packed into
 # $OUT/cuda-ptx.tar.xz and $OUT/cuda-nv.tar.xz, and KERNEL_CACHE=DIR unpacks those two from an
-# earlier machine's run before the first step (a fresh machine then starts with built kernels). A step starts only while DEADLINE (default 530) seconds
+# earlier machine's run before the first step (a fresh machine then starts with built
+# kernels). A step starts only while DEADLINE (default 530) seconds
 # have not passed. QUICK=1 shrinks everything (the small seed shape at 2 layers, few rounds):
 # a smoke run on a CPU. Knobs: SEED_LAYERS (default 64: the seed's depth), SEED_DIR, PYTHON,
 # DEADLINE, ROUNDS (timed steady rounds), WARM (untimed rounds), COUNT (rounds with their ops
@@ -94,7 +95,7 @@ pack_kernels() {
     [ -d "$dir" ] || continue
     name=cuda-ptx; [ "$dir" = "$MLX_PTX_CACHE_DIR" ] || name=cuda-nv
     now="$name:$(find "$dir" -type f | wc -l)"
-    case " $packed $name:0 " in *" $now "*) continue ;; esac
+    case " $packed $name:0 " in *" $now "*) continue ;; esac  # as packed last time, or empty
     tar -C "$dir" -cf - . | xz -T0 -1 > "$out/$name.tar.xz.part" && mv "$out/$name.tar.xz.part" "$out/$name.tar.xz"
     if [ "$(stat -c %s "$out/$name.tar.xz")" -gt $((16 << 20)) ]; then
       rm -f "$out/$name.tar.xz"
@@ -124,6 +125,13 @@ if not cuda.is_cuda():
     raise SystemExit(print(json.dumps({"skipped": "not on CUDA"})))
 verdict = q.wide_verdict() or "ok"
 print(json.dumps({"wide_verdict": verdict}), flush=True)
+agreed = {}  # groups of 16 features a block that agree with MLX (x read half, a quarter as often)
+for g in (2, 4):
+    fn = q.wide_groups_qmm(g)
+    result = q.check(fn, rows=(17, 24, 33, 40, 57, 64)) or "ok"
+    print(json.dumps({"groups": g, "verdict": result}), flush=True)
+    if result == "ok":
+        agreed[g] = fn
 split = lambda x, *w: q.rows_qmm(x, *w, wide=False)
 for rows in (1, 8, 16, 24, 40, 64):
     row = {"rows": rows, "mlx_ms": round(q.chain_ms(q.reference, rows=rows), 3)}
@@ -131,12 +139,9 @@ for rows in (1, 8, 16, 24, 40, 64):
         row["split_ms"] = round(q.chain_ms(split, rows=rows), 3)
     if rows > q.MAX_ROWS and verdict == "ok":
         row["wide_ms"] = round(q.chain_ms(q.wide_rows_qmm, rows=rows), 3)
-        for g in (2, 4):  # 32 and 64 features a thread block (x read half, a quarter as often)
-            row[f"wide_g{g}_ms"] = round(q.chain_ms(q.wide_groups_qmm(g), rows=rows), 3)
-    print(json.dumps(row), flush=True)
-for g in (2, 4):
-    fn = q.wide_groups_qmm(g)
-    print(json.dumps({"groups": g, "verdict": q.check(fn, rows=(17, 24, 33, 40, 57, 64)) or "ok"}))'
+    for g, fn in agreed.items() if rows > q.MAX_ROWS else ():
+        row[f"wide_g{g}_ms"] = round(q.chain_ms(fn, rows=rows), 3)
+    print(json.dumps(row), flush=True)'
 pair=$("$py" -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "\"build\"" in l and "target" in l]
 print(rows[-1]["target"], rows[-1]["drafter"]) if rows else None' "$lines")
@@ -144,8 +149,8 @@ steady=(--steady "$rounds" --warm-rounds "$warm" --phases "$phases" --concurrenc
 [ "$count" -gt 0 ] && steady+=(--count-ops "$count")
 if [ -n "$pair" ]; then
   read -r target drafter <<< "$pair"
-  step seed-steady 330 "${bench[@]}" batch --model "$target" --drafter "$drafter" "${steady[@]}" \
-    --force-tau 0,5
+  seed_steady=("${bench[@]}" batch --model "$target" --drafter "$drafter" "${steady[@]}")
+  step seed-steady 330 "${seed_steady[@]}" --force-tau 0,5
 fi
 step default-served 150 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --repeats 3 --json
 cuda_tests=(tests/engine/test_cuda.py tests/engine/test_lookup.py tests/engine/test_batch_rounds.py)
@@ -154,12 +159,9 @@ step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovi
   -k "not cluster and not scheduler" "${cuda_tests[@]}"
 step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"
 if [ -n "$pair" ]; then
-  step seed-views 200 env SANCTUM_SHARED_ROLLBACK=views "${bench[@]}" batch --model "$target" \
-    --drafter "$drafter" "${steady[@]}"
-  step seed-groups 200 env SANCTUM_QMM_WIDE_GROUPS=2 "${bench[@]}" batch --model "$target" \
-    --drafter "$drafter" "${steady[@]}"
-  step seed-split 240 env SANCTUM_QMM_WIDE=off "${bench[@]}" batch --model "$target" \
-    --drafter "$drafter" "${steady[@]}"
+  step seed-views 200 env SANCTUM_SHARED_ROLLBACK=views "${seed_steady[@]}"
+  step seed-groups 200 env SANCTUM_QMM_WIDE_GROUPS=2 "${seed_steady[@]}"
+  step seed-split 240 env SANCTUM_QMM_WIDE=off "${seed_steady[@]}"
   step seed-trace 150 "${bench[@]}" round-trace --model "$target" --drafter "$drafter" \
     --passes "$passes" --warm-rounds "$warm" --lines
 fi
