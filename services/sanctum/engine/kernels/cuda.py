@@ -77,8 +77,9 @@ def q8_dequantized() -> bool:
     return mode == "dequantized" or (mode == "auto" and is_cuda())
 
 
-# what `prepare` hands the GDN layers: (kernel or None, it keeps every row's state, in compile)
-InstallGDN = Callable[..., None]  # (kernel or None, keeps rows, in compile, shared views)
+# what `prepare` hands the GDN layers: (kernel or None, it keeps every row's state, in compile,
+# a shared rollback takes the rows' states as views)
+InstallGDN = Callable[[Callable | None, bool, bool, bool], None]
 
 
 def prepare(
@@ -103,7 +104,7 @@ def prepare(
         if _checked[key] not in (None, "eager only"):
             problems.append(f"{shape}: {_checked[key]}")
     if problems:
-        install(None, False, True)
+        install(None, False, True, False)
         _gdn["in_use"] = False
         log.error(
             "GDN block kernel DISAGREES with the MLX path, using MLX: %s", "; ".join(problems)
