@@ -44,6 +44,17 @@ def test_a_shared_rollback_is_gathered_unless_views_are_asked_for(monkeypatch):
         device_settings({"SANCTUM_SHARED_ROLLBACK": "copy"})
 
 
+def test_wide_rows_kernel_is_chosen_at_load_unless_set():
+    """SANCTUM_QMM_WIDE: auto (the tiled kernel where it passed, else the wide one) by default,
+    wide or off on request, anything else refused."""
+    from sanctum.settings import device_settings
+
+    assert device_settings({}).qmm_wide == "auto"
+    assert device_settings({"SANCTUM_QMM_WIDE": "wide"}).qmm_wide == "wide"
+    with pytest.raises(ValueError, match="SANCTUM_QMM_WIDE"):
+        device_settings({"SANCTUM_QMM_WIDE": "tiles"})
+
+
 def test_wide_kernel_groups_are_one_unless_set(monkeypatch):
     """SANCTUM_QMM_WIDE_GROUPS: 1 by default, 2 or 4 on request, anything else refused."""
     from sanctum.settings import device_settings

@@ -11,6 +11,8 @@
 #   build        the seed-shaped pair (bench seed --build-only; reused under SEED_DIR)
 #   qmm-wide     the wide 4-bit kernel's check and a chain of the seed's MLP products at 1..64
 #                rows: one wide call (16, 32 or 64 features a block), 16 rows a call, MLX's
+#   qmm-tiled    the tiled 4-bit kernel's check and speed gate, and the same chain at 8..64 rows
+#                aiming at 132, 264 or 528 thread blocks, against the wide kernel and 16 a call
 #   seed-steady  bench batch --steady at 1,4,8 on it: round ms, tok/s vs one, the phases, the
 #                op counts (COUNT), every output judged against plain greedy (near-tie verdicts);
 #                then the same levels with acceptance forced to tau 5 (random weights accept none)
@@ -20,9 +22,12 @@
 #                (pytest, which the machine must have: prepare-mlx-cuda.sh can carry it)
 #   default-gaps  bench gaps --warm on the default pair: a running stream's worst gap as streams
 #                2..8 join, and the running streams' worst gap while a ~4K prompt is prefilled
+#   seed-wide    seed-steady's real levels again with SANCTUM_QMM_WIDE=wide (the wide kernel,
+#                not the tiled one that auto picks where it passed)
 #   seed-views   seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=views (a shared
 #                rollback as slices of the rows' states, against seed-steady's gather)
-#   seed-groups  seed-steady's real levels again with SANCTUM_QMM_WIDE_GROUPS=2
+#   seed-groups  seed-steady's real levels again with SANCTUM_QMM_WIDE=wide
+#                SANCTUM_QMM_WIDE_GROUPS=2
 #   seed-split   seed-steady's real levels again with SANCTUM_QMM_WIDE=off (16 rows a call)
 #   seed-trace   bench round-trace at 1,4,8 on it: each piece of a round timed and op-counted
 #   default-steady  the same as seed-steady on the default pair
@@ -142,6 +147,20 @@ for rows in (1, 8, 16, 24, 40, 64):
     for g, fn in agreed.items() if rows > q.MAX_ROWS else ():
         row[f"wide_g{g}_ms"] = round(q.chain_ms(fn, rows=rows), 3)
     print(json.dumps(row), flush=True)'
+step qmm-tiled 200 "$py" -c 'import json
+from sanctum.engine.kernels import cuda, qmm_cuda as q
+if not cuda.is_cuda():
+    raise SystemExit(print(json.dumps({"skipped": "not on CUDA"})))
+verdict = q.tiled_verdict() or "ok"  # its check at 3 splittings, then faster than both rivals
+print(json.dumps({"tiled_verdict": verdict}), flush=True)
+if verdict == "ok" or verdict.startswith("not faster"):
+    for rows in (8, 16, 24, 40, 64):
+        row = {"rows": rows, "split_ms": round(q.chain_ms(lambda x, *w: q.rows_qmm(x, *w, wide=False), rows=rows), 3)}
+        if rows > q.MAX_ROWS:
+            row["wide_ms"] = round(q.chain_ms(q.wide_groups_qmm(1), rows=rows), 3)
+        for blocks in (132, 264, 528):
+            row[f"tiled_b{blocks}_ms"] = round(q.chain_ms(q.tiled_blocks_qmm(blocks), rows=rows), 3)
+        print(json.dumps(row), flush=True)'
 pair=$("$py" -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "\"build\"" in l and "target" in l]
 print(rows[-1]["target"], rows[-1]["drafter"]) if rows else None' "$lines")
@@ -159,8 +178,9 @@ step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovi
   -k "not cluster and not scheduler" "${cuda_tests[@]}"
 step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"
 if [ -n "$pair" ]; then
+  step seed-wide 200 env SANCTUM_QMM_WIDE=wide "${seed_steady[@]}"
   step seed-views 200 env SANCTUM_SHARED_ROLLBACK=views "${seed_steady[@]}"
-  step seed-groups 200 env SANCTUM_QMM_WIDE_GROUPS=2 "${seed_steady[@]}"
+  step seed-groups 200 env SANCTUM_QMM_WIDE=wide SANCTUM_QMM_WIDE_GROUPS=2 "${seed_steady[@]}"
   step seed-split 240 env SANCTUM_QMM_WIDE=off "${seed_steady[@]}"
   step seed-trace 150 "${bench[@]}" round-trace --model "$target" --drafter "$drafter" \
     --passes "$passes" --warm-rounds "$warm" --lines

@@ -152,6 +152,7 @@ def cache_settings(
 # ---- the engine's device ----------------------------------------------------------------------
 
 DEVICE_PATHS = ("auto", "cpu", "cuda", "metal")
+QMM_WIDE_MODES = ("auto", "wide", "off")  # 17..64 rows: tiled or wide kernel | wide | 16 a call
 QMM_WIDE_GROUPS = (1, 2, 4)  # groups of 16 features a wide 4-bit kernel's thread block owns
 SHARED_ROLLBACKS = ("gather", "views")
 CUDNN_FLAGS = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_CUDA_USE_CUDNN_SPDA")  # MLX's, older spelling too
@@ -169,7 +170,7 @@ class DeviceSettings:
     gdn_kernel: str = var("SANCTUM_GDN_KERNEL", "auto")  # off: the MLX path on CUDA
     qmm_kernel: str = var("SANCTUM_QMM_KERNEL", "auto")  # off: MLX's 4-bit matmul on CUDA
     qmm_split_rows: int = var("SANCTUM_QMM_SPLIT_ROWS", 64, int)  # most rows through it
-    qmm_wide: str = var("SANCTUM_QMM_WIDE", "auto")  # off: 16 rows a call past 16 rows
+    qmm_wide: str = var("SANCTUM_QMM_WIDE", "auto")  # QMM_WIDE_MODES (cuda._prepare_wide)
     qmm_wide_groups: int = var("SANCTUM_QMM_WIDE_GROUPS", 1, int)  # 16-feature groups a block
     draft_kernels: str = var("SANCTUM_DRAFT_KERNELS", "auto")  # off: MLX's ops on CUDA
     # a shared rollback from the GDN kernel's rows of states: gather | views (gdn.py)
@@ -193,6 +194,8 @@ def device_settings(env: Env = os.environ) -> DeviceSettings:
     )
     if s.path not in DEVICE_PATHS:
         raise ValueError(f"SANCTUM_DEVICE_PATH must be one of {DEVICE_PATHS}, got {s.path!r}")
+    if s.qmm_wide not in QMM_WIDE_MODES:
+        raise ValueError(f"SANCTUM_QMM_WIDE must be one of {QMM_WIDE_MODES}, got {s.qmm_wide!r}")
     if s.qmm_wide_groups not in QMM_WIDE_GROUPS:
         raise ValueError(
             f"SANCTUM_QMM_WIDE_GROUPS must be one of {QMM_WIDE_GROUPS}, got {s.qmm_wide_groups}"

@@ -40,6 +40,17 @@ def test_wide_qmm_kernel_matches_mlx(groups):
     assert qmm_cuda.check(fn, shapes=shapes, rows=(24, 64)) is None
 
 
+@pytest.mark.parametrize("blocks", [1, 24, None])
+def test_tiled_qmm_kernel_matches_mlx(blocks):
+    """The tiled variant (x staged in shared memory, 128 features a thread block) against MLX's
+    quantized matmul, K whole (blocks=1) and split, at its check's shapes (one of N not a
+    multiple of 128) and the seed target's MLP shapes."""
+    fn = qmm_cuda.tiled_blocks_qmm(blocks)
+    assert qmm_cuda.check(fn, qmm_cuda.TILED_SHAPES, rows=(2, 17, 24, 33, 40, 57, 64)) is None
+    shapes = ((17408, 5120), (5120, 17408))
+    assert qmm_cuda.check(fn, shapes=shapes, rows=(24, 64)) is None
+
+
 def test_cuda_paths_end_to_end():
     """bench cuda: kernel checks, the Q8 fallback, rollback and lossless greedy with the kernel."""
     from sanctum.bench.cuda import run

@@ -92,6 +92,87 @@ def test_with_the_wide_kernel_a_shared_verify_takes_one_call(monkeypatch):
     assert "max error" in qmm_cuda.check(qmm_cuda.wide_rows_qmm, rows=(17, 40))
 
 
+def test_with_the_tiled_kernel_a_shared_verify_takes_it(monkeypatch):
+    """Once the tiled variant passed its check and gate (`TILED`), 17..64 rows go to it in one
+    call; a call naming the wide kernel's groups (a benchmark's) still gets the wide kernel."""
+    calls = []
+
+    def standin(kind):
+        def fn(x, w, scales, biases, *_):
+            calls.append((kind, x.shape[0]))
+            return qmm_cuda.reference(x, w, scales, biases)
+
+        return fn
+
+    for name in ("small", "wide", "tiled"):
+        monkeypatch.setattr(qmm_cuda, f"{name}_qmm", standin(name))
+    monkeypatch.setattr(qmm_cuda, "WIDE", True)
+    monkeypatch.setattr(qmm_cuda, "TILED", True)
+    layer = _layer()
+    qmm_cuda.install(layer)
+    for rows in (8, 17, 64, 65):
+        layer(mx.random.normal((rows, 512)).astype(mx.bfloat16))
+    assert calls == [("small", 8), ("tiled", 17), ("tiled", 64)]
+    qmm_cuda.wide_groups_qmm(2)(mx.zeros((24, 512), mx.bfloat16), *_weights(layer))
+    assert calls[-1] == ("wide", 24)
+
+
+def _weights(layer):
+    return layer["weight"], layer["scales"], layer["biases"]
+
+
+def test_tiled_splits_fill_the_gpu_without_empty_splits():
+    """K splits only where N / 128 thread blocks are fewer than asked for, each split at least
+    one 128-wide tile and none empty."""
+    assert qmm_cuda.tiled_splits(5120, 34816) == 1  # the fused gate+up: 272 blocks already
+    assert qmm_cuda.tiled_splits(5120, 17408) == 2  # 136 blocks
+    assert qmm_cuda.tiled_splits(17408, 5120) == 7  # 40 blocks; 136 tiles, 20 a split
+    assert qmm_cuda.tiled_splits(640, 272, blocks=24) == 5  # 3 blocks: a tile a split
+    assert qmm_cuda.tiled_splits(1536, 1024, blocks=1) == 1
+    for K, N, blocks in ((17408, 5120, 264), (1152, 64, 100), (640, 272, 7)):
+        splits = qmm_cuda.tiled_splits(K, N, blocks)
+        per = -(-(K // 128) // splits)
+        assert (splits - 1) * per < K // 128 <= splits * per  # the last split has tiles
+
+
+def test_tiled_wrapper_adds_the_splits_sums(monkeypatch):
+    """`tiled_qmm` launches one thread block per 128 features and split, and adds the splits'
+    float32 sums (or takes the bfloat16 output as is, unsplit): a stand-in kernel that computes
+    each split's share of K as the kernel's contract says gives MLX's product back."""
+    launches = []
+
+    def kernel(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        x, w, scales, biases = inputs
+        t = dict(template)
+        launches.append((t["S"], grid, threadgroup, output_shapes[0], output_dtypes[0]))
+        wf = mx.dequantize(
+            w, mx.view(scales, mx.bfloat16), mx.view(biases, mx.bfloat16), group_size=64, bits=4
+        ).astype(mx.float32)
+        xf = mx.view(x, mx.bfloat16).astype(mx.float32)
+        per = -(-(t["K"] // 128) // t["S"]) * 128
+        sums = [xf[:, a : a + per] @ wf[:, a : a + per].T for a in range(0, t["K"], per)]
+        if t["S"] == 1:
+            return [mx.view(sums[0].astype(mx.bfloat16), mx.uint16)]
+        return [mx.stack(sums)]
+
+    monkeypatch.setitem(qmm_cuda._kernels, "sanctum_tiled_qmm", kernel)
+    layer = _layer(n_in=640, n_out=272)
+    x = mx.random.normal((40, 640)).astype(mx.bfloat16)
+    # the float32 product of the dequantized weights (MLX's CPU quantized matmul is further
+    # from it than bfloat16 rounding), rounded as the wrapper rounds
+    wf = mx.dequantize(*_weights(layer), group_size=64, bits=4).astype(mx.float32)
+    want = np.array((x.astype(mx.float32) @ wf.T).astype(mx.bfloat16).astype(mx.float32))
+    for blocks in (1, 6, None):
+        got = qmm_cuda.tiled_qmm(x, *_weights(layer), blocks)
+        assert got.dtype == mx.bfloat16 and got.shape == (40, 272)
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, rtol=1e-2, atol=1e-2)
+    assert launches == [
+        (1, (32, 24, 1), (32, 8, 1), (40, 272), mx.uint16),  # 3 blocks of 8 warps
+        (2, (32, 24, 2), (32, 8, 1), (2, 40, 272), mx.float32),  # 5 tiles: 3 + 2
+        (5, (32, 24, 5), (32, 8, 1), (5, 40, 272), mx.float32),
+    ]
+
+
 def test_wide_groups_fall_back_where_they_do_not_divide_the_features(monkeypatch):
     """A wide thread block owns WIDE_GROUPS groups of 16 features where they divide the
     output features, else the most groups that do."""
@@ -159,3 +240,35 @@ def test_fused_products_take_the_kernel_too(monkeypatch):
     assert calls == []
     fused.project(owner, fused.GATED_MLP, x)
     assert calls == [((8, 512), 128)]
+
+
+@pytest.mark.parametrize(
+    ("mode", "tiled", "wide", "want", "asked"),
+    [
+        ("auto", None, None, "tiled", ["tiled"]),  # the wide kernel is not asked
+        ("auto", "not faster", None, "wide", ["tiled", "wide"]),
+        ("auto", "not faster", "max error", "split", ["tiled", "wide"]),
+        ("wide", None, None, "wide", ["wide"]),  # the tiled kernel is not asked
+        ("off", None, None, "split", []),
+    ],
+)
+def test_load_picks_the_tiled_kernel_then_the_wide_one(monkeypatch, mode, tiled, wide, want, asked):
+    """At load (`cuda._prepare_wide`): with SANCTUM_QMM_WIDE=auto, the tiled kernel where its
+    check and speed gate passed, else the wide kernel where its did, else 16 rows a call;
+    `wide` never asks the tiled kernel, `off` neither."""
+    from sanctum import settings
+    from sanctum.engine.kernels import cuda
+
+    seen = []
+
+    def child_verdict(key, args):
+        seen.append(args[1])
+        return {"tiled": tiled, "wide": wide}[args[1]]
+
+    monkeypatch.setattr(cuda, "_child_verdict", child_verdict)
+    monkeypatch.setattr(qmm_cuda, "WIDE", False)
+    monkeypatch.setattr(qmm_cuda, "TILED", False)
+    with settings.use_device(settings.device_settings({"SANCTUM_QMM_WIDE": mode})):
+        cuda._prepare_wide()
+    assert ("tiled" if qmm_cuda.TILED else "wide" if qmm_cuda.WIDE else "split") == want
+    assert seen == asked

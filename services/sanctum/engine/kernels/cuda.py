@@ -188,18 +188,30 @@ def prepare_linear(model) -> None:
 
 
 def _prepare_wide() -> None:
-    """The wide variant (17..64 rows in one call, the weights read once) once its own check and
-    speed gate passed on this GPU; a failure leaves the 16-rows-a-call path as it was."""
-    if settings.device().qmm_wide == "off":
+    """17..64 rows in one call (the weights read once): the tiled variant once its own check
+    and speed gate passed on this GPU (SANCTUM_QMM_WIDE=auto), else the wide one once its
+    did; a failure of both leaves the 16-rows-a-call path as it was."""
+    mode = settings.device().qmm_wide
+    if mode == "off":
         _qmm["wide"] = "off (SANCTUM_QMM_WIDE=off)"
         return
     groups = settings.device().qmm_wide_groups
+    qmm_cuda.WIDE_GROUPS = _qmm["wide_groups"] = groups
+    if mode == "auto":
+        source = (qmm_cuda.TILED_HEADER + qmm_cuda.TILED_SOURCE).encode()
+        key = f"mlx {mx.__version__} qmm tiled {hashlib.sha1(source).hexdigest()[:12]} G{groups}"
+        tiled = _child_verdict(key, ["sanctum.engine.kernels.qmm_cuda", "tiled", str(groups)])
+        _qmm["tiled"] = tiled or "ok"
+        if tiled is None:
+            qmm_cuda.WIDE = qmm_cuda.TILED = True
+            _qmm["wide"] = "tiled"
+            return
+        log.warning("tiled 4-bit matmul kernel not used: %s", tiled)
     source = (qmm_cuda.WIDE_HEADER + qmm_cuda.WIDE_SOURCE).encode()
     key = f"mlx {mx.__version__} qmm wide {hashlib.sha1(source).hexdigest()[:12]} G{groups}"
     result = _child_verdict(key, ["sanctum.engine.kernels.qmm_cuda", "wide", str(groups)])
     _qmm["wide"] = result or "ok"
     qmm_cuda.WIDE = result is None
-    qmm_cuda.WIDE_GROUPS = _qmm["wide_groups"] = groups
     if result is not None:
         log.warning("wide 4-bit matmul kernel not used: %s", result)
 

@@ -330,6 +330,136 @@ WIDE_SOURCE = (
 )
 
 
+# The tiled variant (`tiled_qmm`, SANCTUM_QMM_WIDE=tiled, or auto where it passes its check and
+# beats the wide one): the wide kernel's x traffic is its cost at 64 rows (every 16-feature block
+# reads all of x, which there is 16 times the bytes of the weights it meets), so here a thread
+# block's 8 warps each own 16 features (128 a block) and walk the same 128-wide K tiles, and the
+# block stages each tile's x rows once in shared memory (double buffered, the next tile's words
+# loaded into registers while the current one's mmas run); x is read N / 128 times. The blocks
+# split K S ways (grid z) where N / 128 blocks would leave the GPU's SMs idle; each split writes
+# its float32 sums and MLX adds them (a sum over S then one rounding, as astype rounds).
+TILED_HEADER = (
+    HEADER
+    + """
+// Shared-memory slot of 16-byte chunk c (0..15, 8 k each) of staged row r: a quarter warp's
+// reads (rows g and g + 1, chunks 4 t + i for t = 0..3) and stores (8 consecutive chunks of a
+// row) fall on 8 different 16-byte bank groups.
+__device__ __forceinline__ int sanctum_slot(int r, int c) {
+  return r * 16 + (c ^ ((c >> 3) << 1) ^ (r & 1));
+}
+"""
+)
+
+TILED_SOURCE = (
+    SOURCE_INDICES
+    + """
+    constexpr int NT_ROWS = 8 * NT;  // staged rows (those from M on are zero)
+    constexpr int CHUNKS = NT_ROWS * 16;  // 16-byte chunks of a staged 128-wide tile
+    constexpr int PER = (CHUNKS + 32 * WARPS - 1) / (32 * WARPS);  // a thread's chunks
+    constexpr int PER_SPLIT = (TILES + S - 1) / S;
+    __shared__ uint4 stage[2][CHUNKS];
+    const int tid = warp * 32 + lane;
+    const int n0 = (blockIdx.y * WARPS + warp) * 16;  // this warp's 16 features
+    const bool active = n0 < N;
+    const int first = blockIdx.z * PER_SPLIT;
+    const int last = min(TILES, first + PER_SPLIT);
+    const int na = active ? n0 + g : 0, nb = active ? n0 + g + 8 : 0;
+    const uint4* wa = reinterpret_cast<const uint4*>(w + (size_t)na * (K / 8));
+    const uint4* wb = reinterpret_cast<const uint4*>(w + (size_t)nb * (K / 8));
+    const uint16_t* sa = scales + (size_t)na * (K / 64);
+    const uint16_t* sb = scales + (size_t)nb * (K / 64);
+    const uint16_t* ba = biases + (size_t)na * (K / 64);
+    const uint16_t* bb = biases + (size_t)nb * (K / 64);
+    float c[NT][4];
+    #pragma unroll
+    for (int h = 0; h < NT; ++h) {
+      c[h][0] = c[h][1] = c[h][2] = c[h][3] = 0.0f;
+    }
+    uint4 xr[PER];  // this thread's chunks of the next tile, on their way to shared memory
+    SanctumWeights cur, nxt;
+    if (first < last) {
+      #pragma unroll
+      for (int p = 0; p < PER; ++p) {
+        const int j = tid + p * 32 * WARPS, r = j >> 4;
+        xr[p] = (j < CHUNKS && r < M)
+                    ? reinterpret_cast<const uint4*>(x + (size_t)r * K + first * 128)[j & 15]
+                    : make_uint4(0u, 0u, 0u, 0u);
+      }
+      #pragma unroll
+      for (int p = 0; p < PER; ++p) {
+        const int j = tid + p * 32 * WARPS;
+        if (j < CHUNKS) {
+          stage[0][sanctum_slot(j >> 4, j & 15)] = xr[p];
+        }
+      }
+      if (active) {
+        sanctum_load_weights(cur, first * 128 + 32 * t, wa, wb, sa, sb, ba, bb);
+      }
+    }
+    __syncthreads();
+    for (int tile = first; tile < last; ++tile) {
+      const int buf = (tile - first) & 1;
+      const bool more = tile + 1 < last;
+      if (more) {
+        #pragma unroll
+        for (int p = 0; p < PER; ++p) {
+          const int j = tid + p * 32 * WARPS, r = j >> 4;
+          xr[p] = (j < CHUNKS && r < M)
+                      ? reinterpret_cast<const uint4*>(x + (size_t)r * K + (tile + 1) * 128)[j & 15]
+                      : make_uint4(0u, 0u, 0u, 0u);
+        }
+        if (active) {
+          sanctum_load_weights(nxt, (tile + 1) * 128 + 32 * t, wa, wb, sa, sb, ba, bb);
+        }
+      }
+      if (active) {
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          uint4 xs[NT];
+          #pragma unroll
+          for (int h = 0; h < NT; ++h) {
+            xs[h] = stage[buf][sanctum_slot(g + 8 * h, 4 * t + i)];
+          }
+          sanctum_mma_word<NT>(
+              sanctum_word(cur.qa, i), sanctum_word(cur.qb, i), cur.sa, cur.sb, cur.ba, cur.bb,
+              xs, c);
+        }
+      }
+      if (more) {
+        #pragma unroll
+        for (int p = 0; p < PER; ++p) {
+          const int j = tid + p * 32 * WARPS;
+          if (j < CHUNKS) {
+            stage[buf ^ 1][sanctum_slot(j >> 4, j & 15)] = xr[p];
+          }
+        }
+      }
+      __syncthreads();  // the other buffer is whole, and every warp is done with this one
+      cur = nxt;
+    }
+    if (active) {
+      #pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int m = 8 * h + 2 * t + (e & 1);  // the mma's C: row g (+8), columns 2t, 2t + 1
+          const int n = n0 + g + 8 * (e >> 1);
+          if (m < M) {
+            if (S == 1) {  // y is bfloat16: rounded to nearest even, as astype rounds
+              uint32_t u = __float_as_uint(c[h][e]);
+              u += 0x7FFFu + ((u >> 16) & 1u);
+              y[(size_t)m * N + n] = (uint16_t)(u >> 16);
+            } else {  // y is float32 [S, M, N]: this split's sums
+              y[((size_t)blockIdx.z * M + m) * N + n] = c[h][e];
+            }
+          }
+        }
+      }
+    }
+"""
+)
+
+
 def supported(module: nn.Module) -> bool:
     """A 4-bit, group-64 affine QuantizedLinear in bfloat16 whose shape the kernel tiles."""
     if not isinstance(module, nn.QuantizedLinear):
@@ -395,9 +525,13 @@ def _launch(
     return mx.view(y, mx.bfloat16)
 
 
-WIDE_ROWS = 64  # the most rows `wide_qmm` takes in one call
+WIDE_ROWS = 64  # the most rows `wide_qmm` (and `tiled_qmm`) takes in one call
 WIDE = False  # rows_qmm sends 17..WIDE_ROWS rows to wide_qmm: set by cuda.prepare_linear
 WIDE_GROUPS = 1  # groups of 16 features a wide thread block owns (SANCTUM_QMM_WIDE_GROUPS)
+TILED = False  # ... to tiled_qmm instead: set by cuda.prepare_linear
+# the fewest thread blocks a tiled call aims at, splitting K to reach them (two an SM of an
+# H100 or H200: fewer leave SMs idle, more add float32 sums to write and add)
+TILED_BLOCKS = 264
 
 
 def wide_qmm(
@@ -410,6 +544,52 @@ def wide_qmm(
     while w.shape[0] % (FEATURES * groups):
         groups //= 2
     return _launch("sanctum_wide_qmm", WIDE_SOURCE, WIDE_HEADER, x, w, scales, biases, groups)
+
+
+def tiled_splits(K: int, N: int, blocks: int | None = None) -> int:
+    """The ways `tiled_qmm` splits K: enough for `blocks` (default TILED_BLOCKS) thread blocks
+    where N / 128 are fewer, at most one 128-wide tile a split, none empty."""
+    tiles = K // 128
+    per_row = -(-N // (FEATURES * WARPS))
+    splits = max(1, min(tiles, -(-(blocks or TILED_BLOCKS) // per_row)))
+    per = -(-tiles // splits)
+    return -(-tiles // per)
+
+
+def tiled_qmm(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, blocks: int | None = None
+) -> mx.array:
+    """`wide_qmm` by the tiled kernel: x [M, K] (MAX_ROWS < M <= WIDE_ROWS; fewer work too)
+    staged in shared memory, 128 features a thread block, K split for `blocks` thread blocks
+    (`tiled_splits`); the splits' float32 sums added by MLX."""
+    kernel = _kernels.get("sanctum_tiled_qmm")
+    if kernel is None:
+        kernel = _kernels["sanctum_tiled_qmm"] = mx.fast.cuda_kernel(
+            name="sanctum_tiled_qmm",
+            input_names=["x", "w", "scales", "biases"],
+            output_names=["y"],
+            source=TILED_SOURCE,
+            header=TILED_HEADER,
+        )
+    M, K = x.shape
+    N = w.shape[0]
+    splits = tiled_splits(K, N, blocks)
+    (y,) = kernel(
+        inputs=[
+            mx.view(x, mx.uint16),
+            w,
+            mx.view(scales, mx.uint16),
+            mx.view(biases, mx.uint16),
+        ],
+        template=[("M", M), ("K", K), ("N", N), ("WARPS", WARPS), ("S", splits)],
+        grid=(32, WARPS * -(-N // (FEATURES * WARPS)), splits),
+        threadgroup=(32, WARPS, 1),
+        output_shapes=[(M, N) if splits == 1 else (splits, M, N)],
+        output_dtypes=[mx.uint16 if splits == 1 else mx.float32],
+    )
+    if splits == 1:
+        return mx.view(y, mx.bfloat16)
+    return y.sum(axis=0).astype(mx.bfloat16)
 
 
 class FewRowsQuantizedLinear(nn.QuantizedLinear):
@@ -468,6 +648,8 @@ def rows_qmm(
     if rows <= MAX_ROWS:
         return small_qmm(x, w, scales, biases)
     if (WIDE if wide is None else wide) and rows <= WIDE_ROWS:
+        if TILED and groups is None:
+            return tiled_qmm(x, w, scales, biases)
         return wide_qmm(x, w, scales, biases, groups)
     cuts = list(range(0, rows, MAX_ROWS)) + [rows]
     if cuts[-1] - cuts[-2] == 1:
@@ -575,6 +757,34 @@ def wide_verdict() -> str | None:
     return None
 
 
+TILED_SHAPES = ((256, 512), (1024, 1536), (272, 640))  # N not a multiple of 128, K of 5 tiles
+
+
+def tiled_blocks_qmm(blocks: int | None):
+    """`tiled_qmm` aiming at `blocks` thread blocks (1: K in one split; a check's, a
+    benchmark's)."""
+    return lambda x, w, scales, biases: tiled_qmm(x, w, scales, biases, blocks)
+
+
+def tiled_verdict() -> str | None:
+    """`check` of the tiled kernel at 2..WIDE_ROWS rows, K whole and split, then its speed
+    gate: used only where it beats both the wide kernel (at WIDE_GROUPS) and MAX_ROWS rows a
+    call at WIDE_ROWS rows."""
+    for blocks in (1, 24, None):
+        fn = tiled_blocks_qmm(blocks)
+        if (result := check(fn, TILED_SHAPES, rows=(2, 17, 24, 33, 40, 57, 64))) is not None:
+            return f"blocks={blocks or TILED_BLOCKS}: {result}"
+    ours = chain_ms(tiled_blocks_qmm(None), rows=WIDE_ROWS)
+    wide = chain_ms(wide_groups_qmm(WIDE_GROUPS), rows=WIDE_ROWS)
+    split = chain_ms(lambda x, *wq: rows_qmm(x, *wq, wide=False), rows=WIDE_ROWS)
+    if not ours < 0.95 * min(wide, split):
+        return (
+            f"not faster at {WIDE_ROWS} rows: {ours:.2f} ms against the wide kernel's {wide:.2f}"
+            f" and {MAX_ROWS} rows a call's {split:.2f}"
+        )
+    return None
+
+
 def verdict() -> str | None:
     """`check`, then the speed gate: the kernel is used only where it beats MLX's own matmul
     at 8 rows on this GPU (a kernel that agrees but is slower would only cost time)."""
@@ -587,7 +797,9 @@ def verdict() -> str | None:
 
 
 if __name__ == "__main__":  # engine/kernels/cuda.py runs the checks here, in a child process
-    if sys.argv[1:2] == ["wide"]:  # the wide kernel at the groups the parent will use
+    kind = sys.argv[1] if len(sys.argv) > 1 else "few"  # few | wide G | tiled G
+    if kind in ("wide", "tiled"):  # the wide kernel at the groups the parent will use
         WIDE_GROUPS = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    print(json.dumps({"verdict": wide_verdict() if sys.argv[1:2] == ["wide"] else verdict()}))
+    verdicts = {"few": verdict, "wide": wide_verdict, "tiled": tiled_verdict}
+    print(json.dumps({"verdict": verdicts[kind]()}))
     sys.exit(0)
