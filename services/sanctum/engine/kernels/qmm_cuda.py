@@ -102,8 +102,9 @@ __device__ __forceinline__ uint32_t sanctum_word(const uint4& v, int i) {
 // The mmas of word i of a lane's 32 values (both halves): mma half takes, from the words `ua`
 // and `ub` of the two feature rows, nibbles r, r + 4 (A's and B's first register) and r + 1,
 // r + 5 (their second), r = 2 * half (k is permuted: a sum does not care); the x word `xs[h]` of
-// each row tile is paired the same way by prmt.
-template <int NT>
+// each row tile is paired the same way by prmt, or (PAIRED) was paired so when it was staged
+// (`sanctum_pair_x`): its 32-bit words are then (x0, x4), (x1, x5), (x2, x6), (x3, x7).
+template <int NT, bool PAIRED = false>
 __device__ __forceinline__ void sanctum_mma_word(
     uint32_t ua, uint32_t ub, uint32_t sa, uint32_t sb, uint32_t ba, uint32_t bb,
     const uint4 (&xs)[NT], float (&c)[NT][4]) {
@@ -116,10 +117,10 @@ __device__ __forceinline__ void sanctum_mma_word(
     const uint32_t a3 = sanctum_dequant(ub, 4 * r + 4, sb, bb);
     #pragma unroll
     for (int h = 0; h < NT; ++h) {
-      const uint32_t lo = sanctum_word(xs[h], half);      // x_r, x_r+1
-      const uint32_t hi = sanctum_word(xs[h], half + 2);  // x_r+4, x_r+5
-      const uint32_t b0 = __byte_perm(lo, hi, 0x5410);  // (x_r, x_r+4)
-      const uint32_t b1 = __byte_perm(lo, hi, 0x7632);  // (x_r+1, x_r+5)
+      const uint32_t lo = sanctum_word(xs[h], PAIRED ? 2 * half : half);  // x_r, x_r+1
+      const uint32_t hi = sanctum_word(xs[h], PAIRED ? 2 * half + 1 : half + 2);  // x_r+4, x_r+5
+      const uint32_t b0 = PAIRED ? lo : __byte_perm(lo, hi, 0x5410);  // (x_r, x_r+4)
+      const uint32_t b1 = PAIRED ? hi : __byte_perm(lo, hi, 0x7632);  // (x_r+1, x_r+5)
       asm volatile(
           "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
           "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
@@ -347,6 +348,14 @@ TILED_HEADER = (
 __device__ __forceinline__ int sanctum_slot(int r, int c) {
   return r * 16 + (c ^ ((c >> 3) << 1) ^ (r & 1));
 }
+
+// 8 x values (x0, x1), (x2, x3), (x4, x5), (x6, x7) as the mma's B pairs (x0, x4), (x1, x5),
+// (x2, x6), (x3, x7): done once when a block stages a chunk, not by each warp at each mma.
+__device__ __forceinline__ uint4 sanctum_pair_x(const uint4& v) {
+  return make_uint4(
+      __byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+      __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+}
 """
 )
 
@@ -389,7 +398,7 @@ TILED_SOURCE = (
       for (int p = 0; p < PER; ++p) {
         const int j = tid + p * 32 * WARPS;
         if (j < CHUNKS) {
-          stage[0][sanctum_slot(j >> 4, j & 15)] = xr[p];
+          stage[0][sanctum_slot(j >> 4, j & 15)] = sanctum_pair_x(xr[p]);
         }
       }
       if (active) {
@@ -420,7 +429,7 @@ TILED_SOURCE = (
           for (int h = 0; h < NT; ++h) {
             xs[h] = stage[buf][sanctum_slot(g + 8 * h, 4 * t + i)];
           }
-          sanctum_mma_word<NT>(
+          sanctum_mma_word<NT, true>(
               sanctum_word(cur.qa, i), sanctum_word(cur.qb, i), cur.sa, cur.sb, cur.ba, cur.bb,
               xs, c);
         }
@@ -430,7 +439,7 @@ TILED_SOURCE = (
         for (int p = 0; p < PER; ++p) {
           const int j = tid + p * 32 * WARPS;
           if (j < CHUNKS) {
-            stage[buf ^ 1][sanctum_slot(j >> 4, j & 15)] = xr[p];
+            stage[buf ^ 1][sanctum_slot(j >> 4, j & 15)] = sanctum_pair_x(xr[p]);
           }
         }
       }
