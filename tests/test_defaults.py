@@ -40,6 +40,7 @@ def test_a_shared_rollback_is_gathered_unless_views_are_asked_for(monkeypatch):
 
     assert device_settings({}).shared_rollback == "gather"
     assert device_settings({"SANCTUM_SHARED_ROLLBACK": "views"}).shared_rollback == "views"
+    assert device_settings({"SANCTUM_SHARED_ROLLBACK": "rerun"}).shared_rollback == "rerun"
     with pytest.raises(ValueError, match="SANCTUM_SHARED_ROLLBACK"):
         device_settings({"SANCTUM_SHARED_ROLLBACK": "copy"})
 

@@ -24,6 +24,8 @@
 #                2..8 join, and the running streams' worst gap while a ~4K prompt is prefilled
 #   seed-wide    seed-steady's real levels again with SANCTUM_QMM_WIDE=wide (the wide kernel,
 #                not the tiled one that auto picks where it passed)
+#   seed-rerun   seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=rerun (a shared
+#                verify keeps no rows' states; its rollback runs the GDN kernel again)
 #   seed-views   seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=views (a shared
 #                rollback as slices of the rows' states, against seed-steady's gather)
 #   seed-groups  seed-steady's real levels again with SANCTUM_QMM_WIDE=wide
@@ -179,6 +181,7 @@ step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovi
 step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"
 if [ -n "$pair" ]; then
   step seed-wide 200 env SANCTUM_QMM_WIDE=wide "${seed_steady[@]}"
+  step seed-rerun 200 env SANCTUM_SHARED_ROLLBACK=rerun "${seed_steady[@]}"
   step seed-views 200 env SANCTUM_SHARED_ROLLBACK=views "${seed_steady[@]}"
   step seed-groups 200 env SANCTUM_QMM_WIDE=wide SANCTUM_QMM_WIDE_GROUPS=2 "${seed_steady[@]}"
   step seed-split 240 env SANCTUM_QMM_WIDE=off "${seed_steady[@]}"

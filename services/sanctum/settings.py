@@ -154,7 +154,7 @@ def cache_settings(
 DEVICE_PATHS = ("auto", "cpu", "cuda", "metal")
 QMM_WIDE_MODES = ("auto", "wide", "off")  # 17..64 rows: tiled or wide kernel | wide | 16 a call
 QMM_WIDE_GROUPS = (1, 2, 4)  # groups of 16 features a wide 4-bit kernel's thread block owns
-SHARED_ROLLBACKS = ("gather", "views")
+SHARED_ROLLBACKS = ("gather", "views", "rerun")
 CUDNN_FLAGS = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_CUDA_USE_CUDNN_SPDA")  # MLX's, older spelling too
 
 
@@ -173,7 +173,7 @@ class DeviceSettings:
     qmm_wide: str = var("SANCTUM_QMM_WIDE", "auto")  # QMM_WIDE_MODES (cuda._prepare_wide)
     qmm_wide_groups: int = var("SANCTUM_QMM_WIDE_GROUPS", 1, int)  # 16-feature groups a block
     draft_kernels: str = var("SANCTUM_DRAFT_KERNELS", "auto")  # off: MLX's ops on CUDA
-    # a shared rollback from the GDN kernel's rows of states: gather | views (gdn.py)
+    # how a shared verify through the GDN kernel is rolled back: gather | views | rerun (gdn.py)
     shared_rollback: str = var("SANCTUM_SHARED_ROLLBACK", "gather")
     fused_projections: str = var("SANCTUM_FUSED_PROJECTIONS", "on")  # off: each on its own
     cpu_jit: str = var("SANCTUM_CPU_JIT", "native")  # off: MLX's own compiler command

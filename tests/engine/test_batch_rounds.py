@@ -47,32 +47,41 @@ def test_batch_greedy_equals_solo_for_mixed_lengths_and_kv(make_pair, kind, draf
 
 
 @pytest.mark.parametrize(
-    "kind,tape", [("hybrid", "chunk"), ("next", "chunk"), ("hybrid", "row_views")]
+    "kind,tape", [("hybrid", "chunk"), ("next", "chunk"), ("hybrid", "views"), ("hybrid", "rerun")]
 )
 def test_batch_with_every_acceptance_and_eos_inside_an_accepted_run(
     make_pair, monkeypatch, kind, tape
 ):
     """Every keep from 0 to the whole block, an EOS inside an accepted run, max_tokens
-    mid-block: each sequence's tokens are its plain run's; "row_views": the GDN kernel's rows
-    of states (its pure-MLX stand-in) rolled back as slices, kept across later rounds."""
-    if tape == "row_views":
+    mid-block: each sequence's tokens are its plain run's; through the GDN kernel's pure-MLX
+    stand-in, "views": its rows of states rolled back as slices, kept across later rounds;
+    "rerun": no rows kept, the kernel run again over each sequence's kept rows, all at once."""
+    if tape != "chunk":
         from sanctum.engine.kernels import gdn_cuda
         from sanctum.engine.model import gdn
 
-        monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
         monkeypatch.setattr(gdn, "BLOCK_KERNEL_KEEPS_ROWS", True)
-        monkeypatch.setattr(gdn, "SHARED_ROLLBACK_VIEWS", True)
-        rollback, calls = gdn.GDNBatchTape.rollback, []
+        monkeypatch.setattr(gdn, "SHARED_ROLLBACK", tape)
+        rollback, calls, reruns = gdn.GDNBatchTape.rollback, [], []
         monkeypatch.setattr(
             gdn.GDNBatchTape,
             "rollback",
             lambda tape, keeps: calls.append(len(keeps)) or rollback(tape, keeps),
         )
 
-        def no_gather(*_):
-            raise AssertionError("the kept states were gathered, not sliced")
+        def kernel(*args, keep_rows=False, rows=None):
+            shared = args[0].shape[0] > 1
+            assert not (keep_rows and shared and tape == "rerun"), "a shared pass kept its rows"
+            reruns.append(rows)
+            return gdn_cuda.reference(*args, keep_rows=keep_rows, rows=rows)
 
-        monkeypatch.setattr(gdn.GDNBatchTape, "_states_at", no_gather)
+        monkeypatch.setattr(gdn, "BLOCK_KERNEL", kernel)
+        if tape == "views":
+
+            def no_gather(*_):
+                raise AssertionError("the kept states were gathered, not sliced")
+
+            monkeypatch.setattr(gdn.GDNBatchTape, "_states_at", no_gather)
     target, drafter = load_pair(make_pair, kind, "dflash")
     L = 8
     kvs = ["fp16", "q8", "fp16", "q8"]
@@ -99,8 +108,10 @@ def test_batch_with_every_acceptance_and_eos_inside_an_accepted_run(
     assert got["s1"] == refs["s1"][:eos_pos]
     assert got["s2"] == refs["s2"][:13]
     assert got["s3"] == refs["s3"][:40]
-    if tape == "row_views":  # the slices' path rolled several sequences back at once
+    if tape != "chunk":  # the shared path rolled several sequences back at once
         assert max(calls) > 1
+    if tape == "rerun":  # ... by one re-run a layer over several sequences' kept rows
+        assert max(len(r) for r in reruns if r is not None) > 1
 
 
 def test_seeded_sampling_in_a_batch_equals_the_seed_alone(make_pair):

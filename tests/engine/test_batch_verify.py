@@ -126,19 +126,20 @@ KEEP_MIXES = [
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "next"])
-@pytest.mark.parametrize("tape", ["chunk", "row_states", "row_views"])
+@pytest.mark.parametrize("tape", ["chunk", "gather", "views", "rerun"])
 def test_batched_rollback_equals_a_rollback_per_sequence(make_pair, monkeypatch, kind, tape):
     """`Target.rollback_batch` after a shared verify (fp16 and 8-bit KV, a padded block) leaves
-    every cache exactly as a rollback per sequence does, for every mix of keeps, on both kinds
-    of GDN tape, the rows' states gathered or taken as slices (gdn.SHARED_ROLLBACK_VIEWS); the
-    sequences' own tapes still roll back further afterwards."""
+    every cache exactly as a rollback per sequence does, for every mix of keeps, on every kind
+    of GDN tape: the chunk's parts, or the block kernel's rows' states gathered or taken as
+    slices, or its inputs run again over the kept rows (gdn.SHARED_ROLLBACK); the sequences'
+    own tapes still roll back further afterwards."""
     from sanctum.engine.kernels import gdn_cuda
     from sanctum.engine.model import gdn
 
-    if tape != "chunk":  # the CUDA kernel's taped variant, through its pure-MLX stand-in
+    if tape != "chunk":  # the CUDA kernel, through its pure-MLX stand-in
         monkeypatch.setattr(gdn, "BLOCK_KERNEL", gdn_cuda.reference)
         monkeypatch.setattr(gdn, "BLOCK_KERNEL_KEEPS_ROWS", True)
-        monkeypatch.setattr(gdn, "SHARED_ROLLBACK_VIEWS", tape == "row_views")
+        monkeypatch.setattr(gdn, "SHARED_ROLLBACK", tape)
     target, _ = load_pair(make_pair, kind, "dflash")
     kvs, widths = ["fp16", "q8", "fp16", "q8"], [8, 8, 5, 8]
     blocks = mx.array([[5, 9, 100, 31, 2, 77, 8, 40], [11, 52, 7, 7, 90, 3, 61, 12],
@@ -157,7 +158,8 @@ def test_batched_rollback_equals_a_rollback_per_sequence(make_pair, monkeypatch,
         for c, t, keep in zip(want, want_tapes, keeps):
             target.rollback(c, t, keep)
         got, got_tapes, batch_tape = verified()
-        kept = [t.chunk_parts if tape == "chunk" else t.row_states for t in batch_tape.gdn]
+        field = {"chunk": "chunk_parts", "rerun": "kernel_inputs"}.get(tape, "row_states")
+        kept = [getattr(t, field) for t in batch_tape.gdn]
         assert batch_tape.gdn and all(k is not None for k in kept)
         target.rollback_batch(got, batch_tape, list(keeps))
         _assert_same_caches(got, want, keeps)

@@ -22,6 +22,25 @@ def test_gdn_kernel_matches_mlx_lm_ops(shape, dtype):
     )
 
 
+def test_gdn_rerun_gives_the_taped_rows_states_bit_for_bit():
+    """A shared rollback's re-run (SANCTUM_SHARED_ROLLBACK=rerun: each sequence's first
+    rows[b] rows again, in one launch) gives the very state the taped pass kept after those
+    rows, and a sequence with none kept its state as it was."""
+    Hk, Hv, Dk, Dv = 16, 48, 128, 128  # the seed's heads
+    ks = mx.random.split(mx.random.key(5), 7)
+    q = mx.random.normal((3, 8, Hk, Dk), key=ks[0]).astype(mx.bfloat16) * 0.1
+    k = mx.random.normal((3, 8, Hk, Dk), key=ks[1]).astype(mx.bfloat16) * 0.1
+    v = mx.random.normal((3, 8, Hv, Dv), key=ks[2]).astype(mx.bfloat16)
+    g = mx.exp(-mx.random.uniform(0.01, 2.0, (3, 8, Hv), key=ks[3]))
+    beta = mx.sigmoid(mx.random.normal((3, 8, Hv), key=ks[4])).astype(mx.bfloat16)
+    state = 0.3 * mx.random.normal((3, Hv, Dv, Dk), key=ks[5])
+    _, _, rows = gdn_cuda.gated_delta_cuda(q, k, v, g, beta, state, keep_rows=True)
+    _, rerun = gdn_cuda.gated_delta_cuda(q, k, v, g, beta, state, rows=[0, 3, 8])
+    assert mx.array_equal(rerun[0], state[0])
+    assert mx.array_equal(rerun[1], rows[1, 2])
+    assert mx.array_equal(rerun[2], rows[2, 7])
+
+
 def test_few_row_qmm_kernel_matches_mlx():
     """The few-row 4-bit kernel against MLX's quantized matmul: its own check, and the seed
     target's MLP shapes (5120 -> 17408 -> 5120) at the verify's row counts."""

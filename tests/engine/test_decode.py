@@ -187,14 +187,16 @@ def test_block_kernel_check_accepts_the_reference_and_catches_a_bad_one():
     assert gdn_cuda.check(gdn_cuda.reference, 2, 4, 32, 32, mx.bfloat16) is None
     assert gdn_cuda.check(gdn_cuda.reference, 2, 4, 32, 32, mx.float32, keep_rows=False) is None
 
-    def off_by_a_bit(q, k, v, g, beta, state):
+    def off_by_a_bit(q, k, v, g, beta, state, rows=None):
+        if rows is not None:  # (a right re-run)
+            return gdn_cuda.reference(q, k, v, g, beta, state, rows=rows)
         y, s = gated_delta_ops(q, k, v, g, beta, state)
         return y * 1.1, s
 
     assert "max |dy|" in gdn_cuda.check(off_by_a_bit, 2, 4, 32, 32, mx.float32, keep_rows=False)
 
-    def rows_off(*args, keep_rows=False):  # right y and final state, a wrong middle row
-        out = gdn_cuda.reference(*args, keep_rows=keep_rows)
+    def rows_off(*args, keep_rows=False, rows=None):  # right y and final state, a wrong middle row
+        out = gdn_cuda.reference(*args, keep_rows=keep_rows, rows=rows)
         return (
             (*out[:2], out[2] + 1e-2 * mx.arange(out[2].shape[1])[:, None, None, None])
             if keep_rows
@@ -202,6 +204,13 @@ def test_block_kernel_check_accepts_the_reference_and_catches_a_bad_one():
         )
 
     assert "max |dstate|" in gdn_cuda.check(rows_off, 2, 4, 32, 32, mx.float32)
+
+    def rerun_off(*args, keep_rows=False, rows=None):  # a re-run that runs one row too many
+        if rows is not None:
+            rows = [min(r + 1, args[0].shape[1]) for r in rows]
+        return gdn_cuda.reference(*args, keep_rows=keep_rows, rows=rows)
+
+    assert "re-run of 0 rows" in gdn_cuda.check(rerun_off, 2, 4, 32, 32, mx.float32)
     assert gdn_cuda.supported(16, 48, 128, 128) and not gdn_cuda.supported(16, 48, 100, 128)
 
 

@@ -78,8 +78,8 @@ def q8_dequantized() -> bool:
 
 
 # what `prepare` hands the GDN layers: (kernel or None, it keeps every row's state, in compile,
-# a shared rollback takes the rows' states as views)
-InstallGDN = Callable[[Callable | None, bool, bool, bool], None]
+# how a shared verify is rolled back: SANCTUM_SHARED_ROLLBACK)
+InstallGDN = Callable[[Callable | None, bool, bool, str], None]
 
 
 def prepare(
@@ -104,7 +104,7 @@ def prepare(
         if _checked[key] not in (None, "eager only"):
             problems.append(f"{shape}: {_checked[key]}")
     if problems:
-        install(None, False, True, False)
+        install(None, False, True, "gather")
         _gdn["in_use"] = False
         log.error(
             "GDN block kernel DISAGREES with the MLX path, using MLX: %s", "; ".join(problems)
@@ -112,8 +112,8 @@ def prepare(
         print(f"sanctum: GDN CUDA kernel disabled: {'; '.join(problems)}", file=sys.stderr)
         return
     in_compile = "eager only" not in (_checked[(*s, dtype)] for s in gdn_shapes)
-    views = settings.device().shared_rollback == "views"
-    install(gdn_cuda.gated_delta_cuda, True, in_compile, views)  # checked with its rows' states
+    rollback = settings.device().shared_rollback
+    install(gdn_cuda.gated_delta_cuda, True, in_compile, rollback)  # checked with rows' states
     _gdn.update(in_use=True, in_compile=in_compile)
     log.info("GDN block kernel checked on %s (%s): in use", sorted(gdn_shapes), dtype)
 

@@ -16,14 +16,16 @@ import sys
 
 import mlx.core as mx
 
-# The row count is a runtime input (a one-element array), so one compiled kernel serves every
-# block and rollback length; the head shapes are template constants.
+# The row counts are a runtime input (steps: the rows the inputs hold, then the rows each
+# sequence runs), so one compiled kernel serves every block and rollback length; the head
+# shapes are template constants.
 _SOURCE = """
-    const int n_steps = steps[0];
+    const int n_steps = steps[0];  // the rows q, k, v, ... hold (their stride)
     const int lane = threadIdx.x;
     const int dv = blockIdx.y * blockDim.y + threadIdx.y;
     const int n = blockIdx.z;  // b * Hv + hv
     const int b = n / Hv;
+    const int run = steps[1 + b];  // the rows sequence b runs: all, or a rollback's kept ones
     const int hv = n % Hv;
     const int hk = hv / (Hv / Hk);
     constexpr int NPT = Dk / 32;
@@ -43,7 +45,7 @@ _SOURCE = """
     for (int i = 0; i < NPT; ++i) {
       s[i] = s_in[i];
     }
-    for (int t = 0; t < n_steps; ++t) {
+    for (int t = 0; t < run; ++t) {
       const float gt = *g_;
       float kv = 0.0f;
       for (int i = 0; i < NPT; ++i) {
@@ -104,9 +106,12 @@ def gated_delta_cuda(
     beta: mx.array,  # [B, T, Hv]
     state: mx.array,  # [B, Hv, Dv, Dk]
     keep_rows: bool = False,
+    rows: list[int] | None = None,
 ) -> tuple[mx.array, ...]:
     """(y [B, T, Hv, Dv], state [B, Hv, Dv, Dk] float32), and with `keep_rows` the state after
-    every row (row_states [B, T, Hv, Dv, Dk] float32); CUDA only."""
+    every row (row_states [B, T, Hv, Dv, Dk] float32); CUDA only. With `rows` sequence b runs
+    only its first rows[b] rows (0: its state comes back as it was; a shared rollback's re-run),
+    and y past them is undefined."""
     kernel = _kernels.get(keep_rows)
     if kernel is None:
         kernel = _kernels[keep_rows] = mx.fast.cuda_kernel(
@@ -129,7 +134,7 @@ def gated_delta_cuda(
             g.astype(f32),
             beta.astype(dtype),
             state.astype(f32),
-            mx.array([T], dtype=mx.int32),
+            mx.array([T, *(rows if rows is not None else [T] * B)], dtype=mx.int32),
         ],
         template=[("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
         grid=(32, Dv, B * Hv),
@@ -141,11 +146,22 @@ def gated_delta_cuda(
     return tuple(outs)
 
 
-def reference(q, k, v, g, beta, state, keep_rows: bool = False) -> tuple[mx.array, ...]:
+def reference(
+    q, k, v, g, beta, state, keep_rows: bool = False, rows: list[int] | None = None
+) -> tuple[mx.array, ...]:
     """The kernel's contract in pure MLX (mlx-lm's `gated_delta_ops`; with `keep_rows` one row at
-    a time, keeping each state): what `check` compares with, and the stand-in off CUDA."""
+    a time, keeping each state; with `rows` each sequence's state after its first rows[b]
+    rows, y over all of them): what `check` compares with, and the stand-in off CUDA."""
     from mlx_lm.models.gated_delta import gated_delta_ops
 
+    if rows is not None:
+        states = [
+            gated_delta_ops(*(x[b : b + 1, :r] for x in (q, k, v, g, beta)), state[b : b + 1])[1]
+            if r
+            else state[b : b + 1].astype(mx.float32)
+            for b, r in enumerate(rows)
+        ]
+        return gated_delta_ops(q, k, v, g, beta, state)[0], mx.concatenate(states)
     if not keep_rows:
         return gated_delta_ops(q, k, v, g, beta, state)
     ys, rows = [], []
@@ -170,7 +186,8 @@ def check(
     """Compare `fn` (the kernel, or a stand-in) with mlx-lm's `gated_delta_ops` on random inputs
     of these head shapes, eagerly (and inside mx.compile with `compiled`); with `keep_rows`
     also `fn(..., keep_rows=True)`, whose state after each row must be mlx-lm's after that
-    prefix. None when they agree, else why not."""
+    prefix, and always `fn(..., rows=[r])` (a re-run of the first r rows), whose state must be
+    too. None when they agree, else why not."""
     from mlx_lm.models.gated_delta import normalize_qk
 
     key = mx.random.key(16)
@@ -190,13 +207,19 @@ def check(
             results = {"eager": fn(*args)}
             if compiled:
                 results["compiled"] = mx.compile(fn)(*args)
+            # a rollback's re-run over the first r rows: the state mlx-lm's has after them
+            reruns = {r: fn(*args, rows=[r])[1] for r in sorted({0, T // 2, T})}
             if keep_rows:
                 results["rows"] = fn(*args, keep_rows=True)
                 if compiled:
                     results["rows compiled"] = mx.compile(lambda *a: fn(*a, keep_rows=True))(*args)
-            mx.eval(want_y, want_s, want_rows, results)
+            mx.eval(want_y, want_s, want_rows, results, reruns)
         except Exception as exc:  # a kernel that does not build or run on this GPU
             return f"T={T}: {exc.__class__.__name__}: {str(exc)[:300]}"
+        for r, got in reruns.items():
+            want = want_rows[:, r - 1] if r else state
+            if not (got.shape == want.shape and mx.abs(got - want).max().item() <= 1e-3):
+                return f"T={T} re-run of {r} rows: {got.shape}, max |dstate| too large or NaN"
         tol = 2e-2 if dtype != mx.float32 else 1e-4
         for name, (y, s, *row_states) in results.items():
             if y.dtype != want_y.dtype or s.dtype != mx.float32:

@@ -61,12 +61,18 @@ BLOCK_KERNEL_KEEPS_ROWS = False
 # PromptStore.put), or, False, as a copy (one kernel a layer every rollback). bench seed
 # measures both.
 ROLLBACK_VIEWS = True
-# A shared verify's rollback from rows of states: each sequence rolled back by its own tape,
-# whose rows are a slice of the pass's (with ROLLBACK_VIEWS no kernel; the buffers, every
-# sequence's rows, stay alive until the next pass's rollback), or, False, the kept states
-# gathered for all at once (a few kernels a layer, the rows' buffer freed at once).
-# SANCTUM_SHARED_ROLLBACK=views (cuda.prepare).
-SHARED_ROLLBACK_VIEWS = False
+# How a shared verify (N > 1 sequences through the block kernel) is rolled back
+# (SANCTUM_SHARED_ROLLBACK, set by cuda.prepare):
+# - "gather": the pass keeps every row's state, and the kept ones are gathered for all
+#   sequences at once (a few kernels a layer, the rows' buffer freed at once);
+# - "views": the pass keeps every row's state, and each sequence is rolled back by its own
+#   tape, whose rows are a slice of the pass's (with ROLLBACK_VIEWS no kernel; every
+#   sequence's rows stay alive until the next pass's rollback);
+# - "rerun": the pass keeps no rows' states (at the seed's shape they are 3 MB a row and
+#   layer: 8 sequences' blocks write 0.2 GB a layer), only the kernel's inputs, and the rollback
+#   runs the kernel again over each sequence's kept rows, all sequences in one launch a layer:
+#   the same rows' arithmetic in the same order, so the state the taped pass would have kept.
+SHARED_ROLLBACK = "gather"
 # Prefill (untaped multi-row passes) through mlx-lm's own recurrence, the token loop off Apple
 # GPUs: a bf16 prefill is then bit for bit mlx-lm's (the chunked form's float32 sums differ in
 # the last bits, which a bf16 model can carry into a different token). Slower; for checks.
@@ -84,9 +90,12 @@ class GDNTape:
     # either the chunked pass's own intermediates (k [B,H,C,Dk], cumulative log-decay [B,H,C],
     # corrected values v_new [B,H,C,Dv]): the state after any row is then one small matmul;
     # or the state after every row ([B, S, Hv, Dv, Dk], from a block kernel that keeps rows);
-    # or (Metal kernel path) the recurrence inputs (q, k, v, log_g, beta) to recompute it
+    # or the block kernel's own inputs (q, k, v, decay g, beta) to run it again over the kept
+    # rows (SHARED_ROLLBACK "rerun"); or (Metal kernel path) the recurrence inputs (q, k, v,
+    # log_g, beta) to recompute it
     chunk_parts: tuple | None = None
     row_states: mx.array | None = None
+    kernel_inputs: tuple | None = None
     inputs: tuple | None = None
 
     def state_at(self, keep: int) -> tuple[mx.array, mx.array]:
@@ -108,6 +117,8 @@ class GDNTape:
             if ROLLBACK_VIEWS:
                 return self.row_states[:, keep - 1]
             return mx.take(self.row_states, mx.array(keep - 1), axis=1)
+        if self.kernel_inputs is not None:
+            return BLOCK_KERNEL(*self.kernel_inputs, self.state_in, rows=[keep])[1]
         return recurrence(*(t[:, :keep] for t in self.inputs), self.state_in)[1]
 
     def rollback(self, keep: int) -> None:
@@ -125,6 +136,7 @@ class GDNBatchTape:
     state_in: mx.array  # [N, Hv, Dv, Dk]
     chunk_parts: tuple | None = None  # as GDNTape's, each [N, ...]
     row_states: mx.array | None = None  # [N, S, Hv, Dv, Dk]
+    kernel_inputs: tuple | None = None  # as GDNTape's, each [N, ...]
     conv_input: mx.array | None = None  # [N, K-1+S, conv_dim]
 
     def rollback(self, keeps: dict[int, int]) -> None:
@@ -134,8 +146,10 @@ class GDNBatchTape:
         if not keeps:
             return
         N = len(self.entries)
-        gather = self.row_states is not None and N > 1 and not SHARED_ROLLBACK_VIEWS
-        shared = self.conv_input is not None and (self.chunk_parts is not None or gather)
+        gather = self.row_states is not None and N > 1 and SHARED_ROLLBACK != "views"
+        shared = self.conv_input is not None and (
+            self.chunk_parts is not None or gather or self.kernel_inputs is not None
+        )
         if not shared:  # recurrence inputs (Metal), or row-state views: each sequence's own
             for n, keep in keeps.items():  # (its entry's rows are a slice of the pass's)
                 self.entries[n].rollback(keep)
@@ -151,7 +165,10 @@ class GDNBatchTape:
 
     def _states_at(self, keeps: np.ndarray) -> mx.array:
         """The recurrent state of each sequence after its keeps[n] rows ([N, Hv, Dv, Dk]), by
-        a few ops: a gather of the kept rows' states, or `states_after` over the chunk's parts."""
+        a few ops: the block kernel run again over the kept rows, a gather of the kept rows'
+        states, or `states_after` over the chunk's parts."""
+        if self.kernel_inputs is not None:
+            return BLOCK_KERNEL(*self.kernel_inputs, self.state_in, rows=keeps.tolist())[1]
         last = np.maximum(keeps - 1, 0)  # the last kept row (any row where none is kept)
         kept = mx.array((keeps > 0)[:, None, None, None])  # [N, 1, 1, 1]
         if self.chunk_parts is not None:
@@ -193,13 +210,14 @@ def _kernel_for(head_k_dim: int) -> bool:
 
 
 def use_block_kernel(
-    kernel, keeps_rows: bool, in_compile: bool, shared_views: bool = False
+    kernel, keeps_rows: bool, in_compile: bool, shared_rollback: str = "gather"
 ) -> None:
     """The block kernel multi-row passes take from now on (kernels/cuda.py's `prepare`, once
-    its check agreed; None: the MLX path), and how a shared rollback takes its rows' states."""
-    global BLOCK_KERNEL, BLOCK_KERNEL_KEEPS_ROWS, BLOCK_KERNEL_IN_COMPILE, SHARED_ROLLBACK_VIEWS
+    its check agreed; None: the MLX path), and how a shared verify is rolled back
+    (SHARED_ROLLBACK)."""
+    global BLOCK_KERNEL, BLOCK_KERNEL_KEEPS_ROWS, BLOCK_KERNEL_IN_COMPILE, SHARED_ROLLBACK
     BLOCK_KERNEL, BLOCK_KERNEL_KEEPS_ROWS, BLOCK_KERNEL_IN_COMPILE = kernel, keeps_rows, in_compile
-    SHARED_ROLLBACK_VIEWS = shared_views
+    SHARED_ROLLBACK = shared_rollback
 
 
 def _block_kernel(rows: int):
@@ -211,18 +229,32 @@ def _one_chunk_tape(mod: nn.Module, rows: int) -> bool:
     return not _kernel_for(mod.head_k_dim) and _block_kernel(rows) is None and 1 < rows <= CHUNK
 
 
-def _row_states_tape(rows: int) -> bool:
+def _row_states_tape(rows: int, shared: bool) -> bool:
     """A taped pass through a block kernel that keeps every row's state (rollback = a copy)."""
-    return BLOCK_KERNEL_KEEPS_ROWS and _block_kernel(rows) is not None
+    return BLOCK_KERNEL_KEEPS_ROWS and _block_kernel(rows) is not None and not _rerun(shared)
 
 
-def tape_entry(mod: nn.Module, cache, conv_input, state_in, rows: int, extra: tuple) -> GDNTape:
-    """The GDNTape of a taped pass over `rows` rows, from what `_gdn_math` returned as extra."""
+def _rerun_tape(rows: int, shared: bool) -> bool:
+    """A taped pass through the block kernel that keeps its inputs (rollback = a re-run)."""
+    return _rerun(shared) and _block_kernel(rows) is not None
+
+
+def _rerun(shared: bool) -> bool:
+    return shared and BLOCK_KERNEL_KEEPS_ROWS and SHARED_ROLLBACK == "rerun"
+
+
+def tape_entry(
+    mod: nn.Module, cache, conv_input, state_in, rows: int, extra: tuple, shared: bool = False
+) -> GDNTape:
+    """The GDNTape of a taped pass over `rows` rows, from what `_gdn_math` returned as extra
+    (`shared`: the pass was several sequences', and this is one's share)."""
     entry = GDNTape(cache, conv_input, state_in, rows)
     if _one_chunk_tape(mod, rows):
         entry.chunk_parts = tuple(extra)
-    elif _row_states_tape(rows):
+    elif _row_states_tape(rows, shared):
         entry.row_states = extra[0]
+    elif _rerun_tape(rows, shared):
+        entry.kernel_inputs = tuple(extra)
     else:
         entry.inputs = tuple(extra)
     return entry
@@ -233,16 +265,19 @@ def batch_tape_entry(
 ) -> GDNBatchTape:
     """The GDNBatchTape of a taped pass over N sequences' states stacked on the batch axis
     (`caches`: theirs, each of batch 1), from what `_gdn_math` returned."""
+    shared = len(caches) > 1  # as `_gdn_math` decided, from the pass's batch
     rows_of = [_split_rows(t) for t in (conv_input, state_in, *extra)]  # one op a tensor
     entries = [
-        tape_entry(mod, c, conv, state, rows, tuple(parts))
+        tape_entry(mod, c, conv, state, rows, tuple(parts), shared)
         for c, (conv, state, *parts) in zip(caches, zip(*rows_of))
     ]
     batch = GDNBatchTape(entries, state_in, conv_input=conv_input)
     if _one_chunk_tape(mod, rows):
         batch.chunk_parts = tuple(extra)
-    elif _row_states_tape(rows):
+    elif _row_states_tape(rows, shared):
         batch.row_states = extra[0]
+    elif _rerun_tape(rows, shared):
+        batch.kernel_inputs = tuple(extra)
     return batch
 
 
@@ -308,9 +343,13 @@ def _gdn_math(mod: nn.Module, x: mx.array, conv_state: mx.array, state_in: mx.ar
         y, state = gated_delta_ops(q, k, v, mx.exp(log_g), beta, state_in)
         extra = ()
     else:
-        if taped and _row_states_tape(S):
+        if taped and _row_states_tape(S, B > 1):
             y, state, rows = BLOCK_KERNEL(q, k, v, mx.exp(log_g), beta, state_in, keep_rows=True)
             extra = (rows,)
+        elif taped and _rerun_tape(S, B > 1):
+            g = mx.exp(log_g)  # kept as the kernel took it: a re-run gets the same bits
+            y, state = BLOCK_KERNEL(q, k, v, g, beta, state_in)
+            extra = (q, k, v, g, beta)
         else:
             y, state = recurrence(q, k, v, log_g, beta, state_in)
             extra = (q, k, v, log_g, beta) if taped else ()
@@ -356,7 +395,10 @@ def _compiled_key(mod: nn.Module, taped: bool, rows: int) -> tuple | None:
     pass runs op by op (long prefill chunks; a block kernel that failed inside compile)."""
     if rows > COMPILE_MAX_ROWS or (not BLOCK_KERNEL_IN_COMPILE and _block_kernel(rows)):
         return None
-    tape_kind = (_one_chunk_tape(mod, rows), _row_states_tape(rows)) if taped else ()
+    # (whether a taped pass keeps rows' states or the kernel's inputs also depends on its batch:
+    # a new batch size is a new trace of the same compiled function)
+    kernel = BLOCK_KERNEL_KEEPS_ROWS and _block_kernel(rows) is not None
+    tape_kind = (_one_chunk_tape(mod, rows), kernel, SHARED_ROLLBACK) if taped else ()
     return (id(mod), taped, *tape_kind, id(BLOCK_KERNEL), MLX_LM_PREFILL)
 
 
