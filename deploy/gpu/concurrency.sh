@@ -11,8 +11,10 @@
 #   build        the seed-shaped pair (bench seed --build-only; reused under SEED_DIR)
 #   qmm-wide     the wide 4-bit kernel's check and a chain of the seed's MLP products at 1..64
 #                rows: one wide call (16, 32 or 64 features a block), 16 rows a call, MLX's
-#   qmm-tiled    the tiled 4-bit kernel's check and speed gate, and the same chain at 8..64 rows
-#                aiming at 132, 264 or 528 thread blocks, against the wide kernel and 16 a call
+#   qmm-tiled    the tiled 4-bit kernel's check and speed gate (and its check with the weights 2
+#                and 3 tiles ahead), and the same chain at 64, 24 and 8 rows aiming at 264 or
+#                528 thread blocks, the weights 1-3 tiles ahead, against the wide kernel and 16
+#                rows a call
 #   seed-steady  bench batch --steady at 1,4,8 on it: round ms, tok/s vs one, the phases, the
 #                op counts (COUNT), every output judged against plain greedy (near-tie verdicts);
 #                then the same levels with acceptance forced to tau 5 (random weights accept none)
@@ -155,13 +157,17 @@ if not cuda.is_cuda():
     raise SystemExit(print(json.dumps({"skipped": "not on CUDA"})))
 verdict = q.tiled_verdict() or "ok"  # its check at 3 splittings, then faster than both rivals
 print(json.dumps({"tiled_verdict": verdict}), flush=True)
+for ahead in (2, 3):  # the weights 2 or 3 tiles ahead
+    result = q.check(q.tiled_blocks_qmm(None, ahead), q.TILED_SHAPES, rows=(2, 17, 64)) or "ok"
+    print(json.dumps({"ahead": ahead, "verdict": result}), flush=True)
 if verdict == "ok" or verdict.startswith("not faster"):
-    for rows in (8, 16, 24, 40, 64):
+    for rows in (64, 24, 8):
         row = {"rows": rows, "split_ms": round(q.chain_ms(lambda x, *w: q.rows_qmm(x, *w, wide=False), rows=rows), 3)}
         if rows > q.MAX_ROWS:
             row["wide_ms"] = round(q.chain_ms(q.wide_groups_qmm(1), rows=rows), 3)
-        for blocks in (132, 264, 528):
-            row[f"tiled_b{blocks}_ms"] = round(q.chain_ms(q.tiled_blocks_qmm(blocks), rows=rows), 3)
+        for blocks, ahead in ((264, 1), (528, 1), (264, 2), (264, 3), (528, 2)):
+            fn = q.tiled_blocks_qmm(blocks, ahead)
+            row[f"tiled_b{blocks}_a{ahead}_ms"] = round(q.chain_ms(fn, rows=rows), 3)
         print(json.dumps(row), flush=True)'
 pair=$("$py" -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "\"build\"" in l and "target" in l]

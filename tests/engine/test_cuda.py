@@ -59,12 +59,12 @@ def test_wide_qmm_kernel_matches_mlx(groups):
     assert qmm_cuda.check(fn, shapes=shapes, rows=(24, 64)) is None
 
 
-@pytest.mark.parametrize("blocks", [1, 24, None])
-def test_tiled_qmm_kernel_matches_mlx(blocks):
+@pytest.mark.parametrize(("blocks", "ahead"), [(1, None), (24, None), (None, None), (24, 3)])
+def test_tiled_qmm_kernel_matches_mlx(blocks, ahead):
     """The tiled variant (x staged in shared memory, 128 features a thread block) against MLX's
-    quantized matmul, K whole (blocks=1) and split, at its check's shapes (one of N not a
-    multiple of 128) and the seed target's MLP shapes."""
-    fn = qmm_cuda.tiled_blocks_qmm(blocks)
+    quantized matmul, K whole (blocks=1) and split, the weights 1 or 3 tiles ahead, at its
+    check's shapes (one of N not a multiple of 128) and the seed target's MLP shapes."""
+    fn = qmm_cuda.tiled_blocks_qmm(blocks, ahead)
     assert qmm_cuda.check(fn, qmm_cuda.TILED_SHAPES, rows=(2, 17, 24, 33, 40, 57, 64)) is None
     shapes = ((17408, 5120), (5120, 17408))
     assert qmm_cuda.check(fn, shapes=shapes, rows=(24, 64)) is None

@@ -144,6 +144,7 @@ def test_tiled_wrapper_adds_the_splits_sums(monkeypatch):
     def kernel(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         x, w, scales, biases = inputs
         t = dict(template)
+        assert t["AHEAD"] == qmm_cuda.TILED_AHEAD
         launches.append((t["S"], grid, threadgroup, output_shapes[0], output_dtypes[0]))
         wf = mx.dequantize(
             w, mx.view(scales, mx.bfloat16), mx.view(biases, mx.bfloat16), group_size=64, bits=4

@@ -331,14 +331,16 @@ WIDE_SOURCE = (
 )
 
 
-# The tiled variant (`tiled_qmm`, SANCTUM_QMM_WIDE=tiled, or auto where it passes its check and
-# beats the wide one): the wide kernel's x traffic is its cost at 64 rows (every 16-feature block
-# reads all of x, which there is 16 times the bytes of the weights it meets), so here a thread
+# The tiled variant (`tiled_qmm`, SANCTUM_QMM_WIDE=auto where it passes its check and beats the
+# wide one): the wide kernel's x traffic is its cost at 64 rows (every 16-feature block reads
+# all of x, which there is 16 times the bytes of the weights it meets), so here a thread
 # block's 8 warps each own 16 features (128 a block) and walk the same 128-wide K tiles, and the
 # block stages each tile's x rows once in shared memory (double buffered, the next tile's words
-# loaded into registers while the current one's mmas run); x is read N / 128 times. The blocks
-# split K S ways (grid z) where N / 128 blocks would leave the GPU's SMs idle; each split writes
-# its float32 sums and MLX adds them (a sum over S then one rounding, as astype rounds).
+# loaded into registers while the current one's mmas run, paired for the mma as they are
+# stored); x is read N / 128 times. Each warp has its weights AHEAD tiles ahead in flight
+# (TILED_AHEAD). The blocks split K S ways (grid z) where N / 128 blocks would leave the GPU's
+# SMs idle; each split writes its float32 sums and MLX adds them (a sum over S, then one
+# rounding, as astype rounds).
 TILED_HEADER = (
     HEADER
     + """
@@ -385,66 +387,73 @@ TILED_SOURCE = (
       c[h][0] = c[h][1] = c[h][2] = c[h][3] = 0.0f;
     }
     uint4 xr[PER];  // this thread's chunks of the next tile, on their way to shared memory
-    SanctumWeights cur, nxt;
-    if (first < last) {
+    // the weights of this tile and the AHEAD after it, loaded AHEAD tiles before their mmas;
+    // the loop is unrolled AHEAD + 1 times, so that a slot's index is a constant (registers)
+    SanctumWeights ring[AHEAD + 1];
+    auto load_x = [&](int tile) {
       #pragma unroll
       for (int p = 0; p < PER; ++p) {
         const int j = tid + p * 32 * WARPS, r = j >> 4;
         xr[p] = (j < CHUNKS && r < M)
-                    ? reinterpret_cast<const uint4*>(x + (size_t)r * K + first * 128)[j & 15]
+                    ? reinterpret_cast<const uint4*>(x + (size_t)r * K + tile * 128)[j & 15]
                     : make_uint4(0u, 0u, 0u, 0u);
       }
+    };
+    auto store_x = [&](int buf) {
       #pragma unroll
       for (int p = 0; p < PER; ++p) {
         const int j = tid + p * 32 * WARPS;
         if (j < CHUNKS) {
-          stage[0][sanctum_slot(j >> 4, j & 15)] = sanctum_pair_x(xr[p]);
+          stage[buf][sanctum_slot(j >> 4, j & 15)] = sanctum_pair_x(xr[p]);
         }
       }
-      if (active) {
-        sanctum_load_weights(cur, first * 128 + 32 * t, wa, wb, sa, sb, ba, bb);
+    };
+    if (first < last) {
+      load_x(first);
+      store_x(0);
+      #pragma unroll
+      for (int a = 0; a < AHEAD; ++a) {
+        if (active && first + a < last) {
+          sanctum_load_weights(ring[a], (first + a) * 128 + 32 * t, wa, wb, sa, sb, ba, bb);
+        }
       }
     }
     __syncthreads();
-    for (int tile = first; tile < last; ++tile) {
-      const int buf = (tile - first) & 1;
-      const bool more = tile + 1 < last;
-      if (more) {
-        #pragma unroll
-        for (int p = 0; p < PER; ++p) {
-          const int j = tid + p * 32 * WARPS, r = j >> 4;
-          xr[p] = (j < CHUNKS && r < M)
-                      ? reinterpret_cast<const uint4*>(x + (size_t)r * K + (tile + 1) * 128)[j & 15]
-                      : make_uint4(0u, 0u, 0u, 0u);
-        }
-        if (active) {
-          sanctum_load_weights(nxt, (tile + 1) * 128 + 32 * t, wa, wb, sa, sb, ba, bb);
-        }
-      }
-      if (active) {
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          uint4 xs[NT];
-          #pragma unroll
-          for (int h = 0; h < NT; ++h) {
-            xs[h] = stage[buf][sanctum_slot(g + 8 * h, 4 * t + i)];
+    for (int base = first; base < last; base += AHEAD + 1) {
+      #pragma unroll
+      for (int step = 0; step <= AHEAD; ++step) {
+        const int tile = base + step;
+        if (tile < last) {  // the same for every thread of the block (its barrier below)
+          const int buf = (tile - first) & 1;
+          const bool more = tile + 1 < last;
+          if (more) {
+            load_x(tile + 1);
           }
-          sanctum_mma_word<NT, true>(
-              sanctum_word(cur.qa, i), sanctum_word(cur.qb, i), cur.sa, cur.sb, cur.ba, cur.bb,
-              xs, c);
-        }
-      }
-      if (more) {
-        #pragma unroll
-        for (int p = 0; p < PER; ++p) {
-          const int j = tid + p * 32 * WARPS;
-          if (j < CHUNKS) {
-            stage[buf ^ 1][sanctum_slot(j >> 4, j & 15)] = sanctum_pair_x(xr[p]);
+          if (active && tile + AHEAD < last) {
+            sanctum_load_weights(
+                ring[(step + AHEAD) % (AHEAD + 1)], (tile + AHEAD) * 128 + 32 * t, wa, wb, sa,
+                sb, ba, bb);
           }
+          if (active) {
+            const SanctumWeights& cur = ring[step];
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              uint4 xs[NT];
+              #pragma unroll
+              for (int h = 0; h < NT; ++h) {
+                xs[h] = stage[buf][sanctum_slot(g + 8 * h, 4 * t + i)];
+              }
+              sanctum_mma_word<NT, true>(
+                  sanctum_word(cur.qa, i), sanctum_word(cur.qb, i), cur.sa, cur.sb, cur.ba,
+                  cur.bb, xs, c);
+            }
+          }
+          if (more) {
+            store_x(buf ^ 1);
+          }
+          __syncthreads();  // the other buffer is whole, and every warp is done with this one
         }
       }
-      __syncthreads();  // the other buffer is whole, and every warp is done with this one
-      cur = nxt;
     }
     if (active) {
       #pragma unroll
@@ -541,6 +550,7 @@ TILED = False  # ... to tiled_qmm instead: set by cuda.prepare_linear
 # the fewest thread blocks a tiled call aims at, splitting K to reach them (two an SM of an
 # H100 or H200: fewer leave SMs idle, more add float32 sums to write and add)
 TILED_BLOCKS = 264
+TILED_AHEAD = 1  # tiles of weights a tiled warp has in flight ahead of its mmas (1, 2 or 3)
 
 
 def wide_qmm(
@@ -566,11 +576,17 @@ def tiled_splits(K: int, N: int, blocks: int | None = None) -> int:
 
 
 def tiled_qmm(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, blocks: int | None = None
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    blocks: int | None = None,
+    ahead: int | None = None,
 ) -> mx.array:
     """`wide_qmm` by the tiled kernel: x [M, K] (MAX_ROWS < M <= WIDE_ROWS; fewer work too)
     staged in shared memory, 128 features a thread block, K split for `blocks` thread blocks
-    (`tiled_splits`); the splits' float32 sums added by MLX."""
+    (`tiled_splits`), the weights `ahead` (default TILED_AHEAD) tiles ahead; the splits'
+    float32 sums added by MLX."""
     kernel = _kernels.get("sanctum_tiled_qmm")
     if kernel is None:
         kernel = _kernels["sanctum_tiled_qmm"] = mx.fast.cuda_kernel(
@@ -590,7 +606,14 @@ def tiled_qmm(
             mx.view(scales, mx.uint16),
             mx.view(biases, mx.uint16),
         ],
-        template=[("M", M), ("K", K), ("N", N), ("WARPS", WARPS), ("S", splits)],
+        template=[
+            ("M", M),
+            ("K", K),
+            ("N", N),
+            ("WARPS", WARPS),
+            ("S", splits),
+            ("AHEAD", ahead or TILED_AHEAD),
+        ],
         grid=(32, WARPS * -(-N // (FEATURES * WARPS)), splits),
         threadgroup=(32, WARPS, 1),
         output_shapes=[(M, N) if splits == 1 else (splits, M, N)],
@@ -769,10 +792,10 @@ def wide_verdict() -> str | None:
 TILED_SHAPES = ((256, 512), (1024, 1536), (272, 640))  # N not a multiple of 128, K of 5 tiles
 
 
-def tiled_blocks_qmm(blocks: int | None):
-    """`tiled_qmm` aiming at `blocks` thread blocks (1: K in one split; a check's, a
-    benchmark's)."""
-    return lambda x, w, scales, biases: tiled_qmm(x, w, scales, biases, blocks)
+def tiled_blocks_qmm(blocks: int | None, ahead: int | None = None):
+    """`tiled_qmm` aiming at `blocks` thread blocks (1: K in one split), the weights `ahead`
+    tiles ahead (a check's, a benchmark's)."""
+    return lambda x, w, scales, biases: tiled_qmm(x, w, scales, biases, blocks, ahead)
 
 
 def tiled_verdict() -> str | None:
