@@ -38,7 +38,7 @@
 # MLX builds its CUDA kernels at first use (~150 s on a fresh machine, more than a step's
 # limit for the seed's batched levels), kept under MLX_PTX_CACHE_DIR for later runs; after each
 # step the caches (that folder, and the driver's ~/.nv/ComputeCache) are packed into
-# $OUT/cuda-ptx.tar.xz and $OUT/cuda-nv.tar.xz, and KERNEL_CACHE=DIR unpacks those two from an
+# $OUT/cuda-ptx.tar.xz.NN and $OUT/cuda-nv.tar.xz.NN, and KERNEL_CACHE=DIR unpacks those from an
 # earlier machine's run before the first step (a fresh machine then starts with built
 # kernels). A step starts only while DEADLINE (default 530) seconds
 # have not passed. QUICK=1 shrinks everything (the small seed shape at 2 layers, few rounds):
@@ -95,28 +95,34 @@ step() {  # step NAME SECONDS COMMAND...: at most SECONDS (and the deadline)
   pack_kernels
 }
 
-# The kernel caches into $OUT when they grew (what comes back from a lent machine is a few
-# files of at most 16 MiB: a bigger pack is dropped and said so)
+# The kernel caches into $OUT when they grew: what comes back from a lent machine is at most 8
+# files of at most 16 MiB, so a pack is cut into 15 MiB pieces (NAME.tar.xz.00, .01, ...), at
+# most 3 of the driver's cache (a bigger one is dropped, and said so)
 packed=""
 pack_kernels() {
-  local dir name now
+  local dir name now pieces
   for dir in "$MLX_PTX_CACHE_DIR" "$HOME/.nv/ComputeCache"; do
     [ -d "$dir" ] || continue
     name=cuda-ptx; [ "$dir" = "$MLX_PTX_CACHE_DIR" ] || name=cuda-nv
     now="$name:$(find "$dir" -type f | wc -l)"
     case " $packed $name:0 " in *" $now "*) continue ;; esac  # as packed last time, or empty
-    tar -C "$dir" -cf - . | xz -T0 -1 > "$out/$name.tar.xz.part" && mv "$out/$name.tar.xz.part" "$out/$name.tar.xz"
-    if [ "$(stat -c %s "$out/$name.tar.xz")" -gt $((16 << 20)) ]; then
-      rm -f "$out/$name.tar.xz"
-      echo "$name not packed: over 16 MiB" >> "$out/steps.txt"
+    rm -f "$out/$name.tar.xz."*
+    tar -C "$dir" -cf - . | xz -T0 -1 | split -b 15M -d - "$out/$name.tar.xz."
+    pieces=$(ls "$out/$name.tar.xz."* | wc -l)
+    if [ "$pieces" -gt 3 ]; then
+      rm -f "$out/$name.tar.xz."*
+      echo "$name not packed: $pieces pieces of 15 MiB" >> "$out/steps.txt"
     fi
     packed="$packed $now"
   done
 }
 if [ -n "${KERNEL_CACHE:-}" ]; then
   mkdir -p "$MLX_PTX_CACHE_DIR" "$HOME/.nv/ComputeCache"
-  [ -f "$KERNEL_CACHE/cuda-ptx.tar.xz" ] && xz -dc "$KERNEL_CACHE/cuda-ptx.tar.xz" | tar -C "$MLX_PTX_CACHE_DIR" -xf -
-  [ -f "$KERNEL_CACHE/cuda-nv.tar.xz" ] && xz -dc "$KERNEL_CACHE/cuda-nv.tar.xz" | tar -C "$HOME/.nv/ComputeCache" -xf -
+  for name in cuda-ptx cuda-nv; do
+    dir=$MLX_PTX_CACHE_DIR; [ "$name" = cuda-ptx ] || dir=$HOME/.nv/ComputeCache
+    ls "$KERNEL_CACHE/$name.tar.xz."* > /dev/null 2>&1 || continue
+    cat "$KERNEL_CACHE/$name.tar.xz."* | xz -dc | tar -C "$dir" -xf -
+  done
   echo "kernel caches from $KERNEL_CACHE: $(find "$MLX_PTX_CACHE_DIR" -type f | wc -l) PTX files" | tee -a "$out/steps.txt"
 fi
 
