@@ -56,6 +56,16 @@ def test_wide_rows_kernel_is_chosen_at_load_unless_set():
         device_settings({"SANCTUM_QMM_WIDE": "tiles"})
 
 
+def test_tiled_kernel_keeps_one_tile_of_weights_ahead_unless_set():
+    """SANCTUM_QMM_TILED_AHEAD: 1 by default, 2 or 3 on request, anything else refused."""
+    from sanctum.settings import device_settings
+
+    assert device_settings({}).qmm_tiled_ahead == 1
+    assert device_settings({"SANCTUM_QMM_TILED_AHEAD": "3"}).qmm_tiled_ahead == 3
+    with pytest.raises(ValueError, match="SANCTUM_QMM_TILED_AHEAD"):
+        device_settings({"SANCTUM_QMM_TILED_AHEAD": "4"})
+
+
 def test_wide_kernel_groups_are_one_unless_set(monkeypatch):
     """SANCTUM_QMM_WIDE_GROUPS: 1 by default, 2 or 4 on request, anything else refused."""
     from sanctum.settings import device_settings

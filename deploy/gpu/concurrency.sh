@@ -175,6 +175,18 @@ if verdict == "ok" or verdict.startswith("not faster"):
             fn = q.tiled_blocks_qmm(blocks, ahead)
             row[f"tiled_b{blocks}_a{ahead}_ms"] = round(q.chain_ms(fn, rows=rows), 3)
         print(json.dumps(row), flush=True)'
+# the seed steps below take the weights as many tiles ahead as ran fastest at 64 rows here
+ahead=$("$py" -c 'import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if "\"qmm-tiled\"" in l]
+ok = {1} | {l["ahead"] for l in lines if l.get("verdict") == "ok"}
+row = next((l for l in lines if l.get("rows") == 64), {})
+times = {a: row.get(f"tiled_b264_a{a}_ms") for a in ok}
+times = {a: t for a, t in times.items() if t}
+print(min(times, key=times.get) if times else "")' "$lines")
+if [ -n "$ahead" ]; then
+  export SANCTUM_QMM_TILED_AHEAD=$ahead
+  echo "SANCTUM_QMM_TILED_AHEAD=$ahead (fastest at 64 rows)" | tee -a "$out/steps.txt"
+fi
 pair=$("$py" -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "\"build\"" in l and "target" in l]
 print(rows[-1]["target"], rows[-1]["drafter"]) if rows else None' "$lines")

@@ -267,8 +267,8 @@ def test_load_picks_the_tiled_kernel_then_the_wide_one(monkeypatch, mode, tiled,
         return {"tiled": tiled, "wide": wide}[args[1]]
 
     monkeypatch.setattr(cuda, "_child_verdict", child_verdict)
-    monkeypatch.setattr(qmm_cuda, "WIDE", False)
-    monkeypatch.setattr(qmm_cuda, "TILED", False)
+    for name, value in (("WIDE", False), ("TILED", False), ("WIDE_GROUPS", 1), ("TILED_AHEAD", 1)):
+        monkeypatch.setattr(qmm_cuda, name, value)
     with settings.use_device(settings.device_settings({"SANCTUM_QMM_WIDE": mode})):
         cuda._prepare_wide()
     assert ("tiled" if qmm_cuda.TILED else "wide" if qmm_cuda.WIDE else "split") == want

@@ -198,9 +198,13 @@ def _prepare_wide() -> None:
     groups = settings.device().qmm_wide_groups
     qmm_cuda.WIDE_GROUPS = _qmm["wide_groups"] = groups
     if mode == "auto":
+        ahead = settings.device().qmm_tiled_ahead
+        qmm_cuda.TILED_AHEAD = _qmm["tiled_ahead"] = ahead
         source = (qmm_cuda.TILED_HEADER + qmm_cuda.TILED_SOURCE).encode()
         key = f"mlx {mx.__version__} qmm tiled {hashlib.sha1(source).hexdigest()[:12]} G{groups}"
-        tiled = _child_verdict(key, ["sanctum.engine.kernels.qmm_cuda", "tiled", str(groups)])
+        key += f" A{ahead}"
+        args = ["sanctum.engine.kernels.qmm_cuda", "tiled", str(groups), str(ahead)]
+        tiled = _child_verdict(key, args)
         _qmm["tiled"] = tiled or "ok"
         if tiled is None:
             qmm_cuda.WIDE = qmm_cuda.TILED = True

@@ -799,9 +799,9 @@ def tiled_blocks_qmm(blocks: int | None, ahead: int | None = None):
 
 
 def tiled_verdict() -> str | None:
-    """`check` of the tiled kernel at 2..WIDE_ROWS rows, K whole and split, then its speed
-    gate: used only where it beats both the wide kernel (at WIDE_GROUPS) and MAX_ROWS rows a
-    call at WIDE_ROWS rows."""
+    """`check` of the tiled kernel (the weights TILED_AHEAD tiles ahead) at 2..WIDE_ROWS rows,
+    K whole and split, then its speed gate: used only where it beats both the wide kernel (at
+    WIDE_GROUPS) and MAX_ROWS rows a call at WIDE_ROWS rows."""
     for blocks in (1, 24, None):
         fn = tiled_blocks_qmm(blocks)
         if (result := check(fn, TILED_SHAPES, rows=(2, 17, 24, 33, 40, 57, 64))) is not None:
@@ -832,6 +832,8 @@ if __name__ == "__main__":  # engine/kernels/cuda.py runs the checks here, in a 
     kind = sys.argv[1] if len(sys.argv) > 1 else "few"  # few | wide G | tiled G
     if kind in ("wide", "tiled"):  # the wide kernel at the groups the parent will use
         WIDE_GROUPS = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    if kind == "tiled":  # ... and the tiled one with the weights as far ahead
+        TILED_AHEAD = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     verdicts = {"few": verdict, "wide": wide_verdict, "tiled": tiled_verdict}
     print(json.dumps({"verdict": verdicts[kind]()}))
     sys.exit(0)
