@@ -115,6 +115,11 @@ def test_with_the_tiled_kernel_a_shared_verify_takes_it(monkeypatch):
     assert calls == [("small", 8), ("tiled", 17), ("tiled", 64)]
     qmm_cuda.wide_groups_qmm(2)(mx.zeros((24, 512), mx.bfloat16), *_weights(layer))
     assert calls[-1] == ("wide", 24)
+    calls.clear()  # where it also beat the few-row kernel: a block of one sequence too
+    monkeypatch.setattr(qmm_cuda, "TILED_FEW", True)
+    for rows in (1, 2, 8, 16, 17):
+        layer(mx.random.normal((rows, 512)).astype(mx.bfloat16))
+    assert calls == [("tiled", 2), ("tiled", 8), ("tiled", 16), ("tiled", 17)]
 
 
 def _weights(layer):
@@ -244,19 +249,23 @@ def test_fused_products_take_the_kernel_too(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("mode", "tiled", "wide", "want", "asked"),
+    ("mode", "tiled", "few", "wide", "want", "asked"),
     [
-        ("auto", None, None, "tiled", ["tiled"]),  # the wide kernel is not asked
-        ("auto", "not faster", None, "wide", ["tiled", "wide"]),
-        ("auto", "not faster", "max error", "split", ["tiled", "wide"]),
-        ("wide", None, None, "wide", ["wide"]),  # the tiled kernel is not asked
-        ("off", None, None, "split", []),
+        ("auto", None, None, None, "tiled+few", ["tiled", "tiled-few"]),  # wide is not asked
+        ("auto", None, "not faster", None, "tiled", ["tiled", "tiled-few"]),
+        ("auto", "not faster", None, None, "wide", ["tiled", "wide"]),
+        ("auto", "not faster", None, "max error", "split", ["tiled", "wide"]),
+        ("wide", None, None, None, "wide", ["wide"]),  # the tiled kernel is not asked
+        ("off", None, None, None, "split", []),
     ],
 )
-def test_load_picks_the_tiled_kernel_then_the_wide_one(monkeypatch, mode, tiled, wide, want, asked):
+def test_load_picks_the_tiled_kernel_then_the_wide_one(
+    monkeypatch, mode, tiled, few, wide, want, asked
+):
     """At load (`cuda._prepare_wide`): with SANCTUM_QMM_WIDE=auto, the tiled kernel where its
-    check and speed gate passed, else the wide kernel where its did, else 16 rows a call;
-    `wide` never asks the tiled kernel, `off` neither."""
+    check and speed gate passed (and for 2..16 rows too where it beat the few-row kernel),
+    else the wide kernel where its did, else 16 rows a call; `wide` never asks the tiled
+    kernel, `off` neither."""
     from sanctum import settings
     from sanctum.engine.kernels import cuda
 
@@ -264,12 +273,14 @@ def test_load_picks_the_tiled_kernel_then_the_wide_one(monkeypatch, mode, tiled,
 
     def child_verdict(key, args):
         seen.append(args[1])
-        return {"tiled": tiled, "wide": wide}[args[1]]
+        return {"tiled": tiled, "tiled-few": few, "wide": wide}[args[1]]
 
     monkeypatch.setattr(cuda, "_child_verdict", child_verdict)
-    for name, value in (("WIDE", False), ("TILED", False), ("WIDE_GROUPS", 1), ("TILED_AHEAD", 1)):
+    flags = ("WIDE", False), ("TILED", False), ("TILED_FEW", False), ("WIDE_GROUPS", 1)
+    for name, value in (*flags, ("TILED_AHEAD", 1)):
         monkeypatch.setattr(qmm_cuda, name, value)
     with settings.use_device(settings.device_settings({"SANCTUM_QMM_WIDE": mode})):
         cuda._prepare_wide()
-    assert ("tiled" if qmm_cuda.TILED else "wide" if qmm_cuda.WIDE else "split") == want
+    kernel = "tiled" if qmm_cuda.TILED else "wide" if qmm_cuda.WIDE else "split"
+    assert kernel + ("+few" if qmm_cuda.TILED_FEW else "") == want
     assert seen == asked

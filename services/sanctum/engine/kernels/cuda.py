@@ -189,8 +189,9 @@ def prepare_linear(model) -> None:
 
 def _prepare_wide() -> None:
     """17..64 rows in one call (the weights read once): the tiled variant once its own check
-    and speed gate passed on this GPU (SANCTUM_QMM_WIDE=auto), else the wide one once its
-    did; a failure of both leaves the 16-rows-a-call path as it was."""
+    and speed gate passed on this GPU (SANCTUM_QMM_WIDE=auto; and 2..16 rows too where it
+    beat the few-row kernel at 8), else the wide one once its did; a failure of both leaves
+    the 16-rows-a-call path as it was."""
     mode = settings.device().qmm_wide
     if mode == "off":
         _qmm["wide"] = "off (SANCTUM_QMM_WIDE=off)"
@@ -209,6 +210,9 @@ def _prepare_wide() -> None:
         if tiled is None:
             qmm_cuda.WIDE = qmm_cuda.TILED = True
             _qmm["wide"] = "tiled"
+            few = _child_verdict(key + " few", [args[0], "tiled-few", *args[2:]])
+            qmm_cuda.TILED_FEW = few is None
+            _qmm["tiled_few"] = few or "ok"  # 2..16 rows through it too
             return
         log.warning("tiled 4-bit matmul kernel not used: %s", tiled)
     source = (qmm_cuda.WIDE_HEADER + qmm_cuda.WIDE_SOURCE).encode()

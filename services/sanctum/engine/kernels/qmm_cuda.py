@@ -547,6 +547,10 @@ WIDE_ROWS = 64  # the most rows `wide_qmm` (and `tiled_qmm`) takes in one call
 WIDE = False  # rows_qmm sends 17..WIDE_ROWS rows to wide_qmm: set by cuda.prepare_linear
 WIDE_GROUPS = 1  # groups of 16 features a wide thread block owns (SANCTUM_QMM_WIDE_GROUPS)
 TILED = False  # ... to tiled_qmm instead: set by cuda.prepare_linear
+# 2..MAX_ROWS rows (a verify block of one sequence, a draft head) to tiled_qmm too: set where it
+# beat the few-row kernel at 8 rows (then a row's result is the same bits in a block of one
+# sequence and in a shared verify's rows)
+TILED_FEW = False
 # the fewest thread blocks a tiled call aims at, splitting K to reach them (two an SM of an
 # H100 or H200: fewer leave SMs idle, more add float32 sums to write and add)
 TILED_BLOCKS = 264
@@ -678,6 +682,8 @@ def rows_qmm(
     WIDE) up to WIDE_ROWS rows in one `wide_qmm` call (`groups`: its groups of features)."""
     rows = x.shape[0]
     if rows <= MAX_ROWS:
+        if TILED_FEW and wide is None:
+            return tiled_qmm(x, w, scales, biases)
         return small_qmm(x, w, scales, biases)
     if (WIDE if wide is None else wide) and rows <= WIDE_ROWS:
         if TILED and groups is None:
@@ -817,6 +823,17 @@ def tiled_verdict() -> str | None:
     return None
 
 
+def tiled_few_verdict() -> str | None:
+    """`check` of the tiled kernel at 2..MAX_ROWS rows, then its gate there: used for them
+    only where it beats the few-row kernel at 8 rows (a chain of MLP-shaped products)."""
+    if (result := check(tiled_blocks_qmm(None), rows=(2, 7, 8, 16))) is not None:
+        return result
+    ours, few = chain_ms(tiled_blocks_qmm(None)), chain_ms(small_qmm)
+    if not ours < 0.95 * few:
+        return f"not faster at 8 rows: {ours:.2f} ms against the few-row kernel's {few:.2f}"
+    return None
+
+
 def verdict() -> str | None:
     """`check`, then the speed gate: the kernel is used only where it beats MLX's own matmul
     at 8 rows on this GPU (a kernel that agrees but is slower would only cost time)."""
@@ -829,11 +846,16 @@ def verdict() -> str | None:
 
 
 if __name__ == "__main__":  # engine/kernels/cuda.py runs the checks here, in a child process
-    kind = sys.argv[1] if len(sys.argv) > 1 else "few"  # few | wide G | tiled G
-    if kind in ("wide", "tiled"):  # the wide kernel at the groups the parent will use
+    kind = sys.argv[1] if len(sys.argv) > 1 else "few"  # few | wide G | tiled G A | tiled-few G A
+    if kind != "few":  # the wide kernel at the groups the parent will use
         WIDE_GROUPS = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    if kind == "tiled":  # ... and the tiled one with the weights as far ahead
+    if kind.startswith("tiled"):  # ... and the tiled one with the weights as far ahead
         TILED_AHEAD = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-    verdicts = {"few": verdict, "wide": wide_verdict, "tiled": tiled_verdict}
+    verdicts = {
+        "few": verdict,
+        "wide": wide_verdict,
+        "tiled": tiled_verdict,
+        "tiled-few": tiled_few_verdict,
+    }
     print(json.dumps({"verdict": verdicts[kind]()}))
     sys.exit(0)
