@@ -142,8 +142,9 @@ def test_tiled_splits_fill_the_gpu_without_empty_splits():
 
 def test_tiled_wrapper_adds_the_splits_sums(monkeypatch):
     """`tiled_qmm` launches one thread block per 128 features and split, and adds the splits'
-    float32 sums (or takes the bfloat16 output as is, unsplit): a stand-in kernel that computes
-    each split's share of K as the kernel's contract says gives MLX's product back."""
+    float32 sums by `sum_splits` (or takes the bfloat16 output as is, unsplit): stand-in
+    kernels that compute each split's share of K and add them as the kernels' contracts say
+    give MLX's product back."""
     launches = []
 
     def kernel(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
@@ -161,7 +162,17 @@ def test_tiled_wrapper_adds_the_splits_sums(monkeypatch):
             return [mx.view(sums[0].astype(mx.bfloat16), mx.uint16)]
         return [mx.stack(sums)]
 
+    def sum_kernel(inputs, grid, threadgroup, output_shapes, output_dtypes):
+        p, sizes = inputs
+        splits, count = sizes.tolist()
+        launches.append(("sum", splits, count, grid, output_shapes[0], output_dtypes[0]))
+        y = p[0]
+        for s in range(1, splits):  # in order, as the kernel adds them
+            y = y + p[s]
+        return [mx.view(y.astype(mx.bfloat16), mx.uint16)]
+
     monkeypatch.setitem(qmm_cuda._kernels, "sanctum_tiled_qmm", kernel)
+    monkeypatch.setitem(qmm_cuda._kernels, "sanctum_sum_splits", sum_kernel)
     layer = _layer(n_in=640, n_out=272)
     x = mx.random.normal((40, 640)).astype(mx.bfloat16)
     # the float32 product of the dequantized weights (MLX's CPU quantized matmul is further
@@ -172,11 +183,17 @@ def test_tiled_wrapper_adds_the_splits_sums(monkeypatch):
         got = qmm_cuda.tiled_qmm(x, *_weights(layer), blocks)
         assert got.dtype == mx.bfloat16 and got.shape == (40, 272)
         np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, rtol=1e-2, atol=1e-2)
-    assert launches == [
-        (1, (32, 24, 1), (32, 8, 1), (40, 272), mx.uint16),  # 3 blocks of 8 warps
-        (2, (32, 24, 2), (32, 8, 1), (2, 40, 272), mx.float32),  # 5 tiles: 3 + 2
-        (5, (32, 24, 5), (32, 8, 1), (5, 40, 272), mx.float32),
-    ]
+    sums = ("sum", 40 * 272, (-(-40 * 272 // 256) * 256, 1, 1), (40, 272), mx.uint16)
+    assert (
+        launches
+        == [
+            (1, (32, 24, 1), (32, 8, 1), (40, 272), mx.uint16),  # 3 blocks of 8 warps
+            (2, (32, 24, 2), (32, 8, 1), (2, 40, 272), mx.float32),  # 5 tiles: 3 + 2
+            (sums[0], 2, *sums[1:]),
+            (5, (32, 24, 5), (32, 8, 1), (5, 40, 272), mx.float32),
+            (sums[0], 5, *sums[1:]),
+        ]
+    )
 
 
 def test_wide_groups_fall_back_where_they_do_not_divide_the_features(monkeypatch):

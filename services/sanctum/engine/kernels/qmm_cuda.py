@@ -339,8 +339,8 @@ WIDE_SOURCE = (
 # loaded into registers while the current one's mmas run, paired for the mma as they are
 # stored); x is read N / 128 times. Each warp has its weights AHEAD tiles ahead in flight
 # (TILED_AHEAD). The blocks split K S ways (grid z) where N / 128 blocks would leave the GPU's
-# SMs idle; each split writes its float32 sums and MLX adds them (a sum over S, then one
-# rounding, as astype rounds).
+# SMs idle; each split writes its float32 sums and `sum_splits` adds them in order, then
+# rounds once, as astype rounds.
 TILED_HEADER = (
     HEADER
     + """
@@ -590,7 +590,7 @@ def tiled_qmm(
     """`wide_qmm` by the tiled kernel: x [M, K] (MAX_ROWS < M <= WIDE_ROWS; fewer work too)
     staged in shared memory, 128 features a thread block, K split for `blocks` thread blocks
     (`tiled_splits`), the weights `ahead` (default TILED_AHEAD) tiles ahead; the splits'
-    float32 sums added by MLX."""
+    float32 sums added in order by `sum_splits`."""
     kernel = _kernels.get("sanctum_tiled_qmm")
     if kernel is None:
         kernel = _kernels["sanctum_tiled_qmm"] = mx.fast.cuda_kernel(
@@ -625,7 +625,48 @@ def tiled_qmm(
     )
     if splits == 1:
         return mx.view(y, mx.bfloat16)
-    return y.sum(axis=0).astype(mx.bfloat16)
+    return sum_splits(y)
+
+
+# The splits' sums added in order and rounded once, element by element: a row's result then
+# does not depend on how many rows share the call (MLX's reduction may order its adds by the
+# array's shape), and it is one launch where sum and astype were two. Sizes at run time: one
+# build for every shape.
+SUM_SOURCE = """
+    const int splits = sizes[0];
+    const size_t count = (size_t)sizes[1];
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) {
+      float v = p[i];
+      for (int s = 1; s < splits; ++s) {
+        v += p[(size_t)s * count + i];
+      }
+      uint32_t u = __float_as_uint(v);
+      u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even, as astype does
+      y[i] = (uint16_t)(u >> 16);
+    }
+"""
+
+
+def sum_splits(p: mx.array) -> mx.array:
+    """p [S, M, N] float32 -> sum over S in order, rounded to bfloat16 [M, N]."""
+    kernel = _kernels.get("sanctum_sum_splits")
+    if kernel is None:
+        kernel = _kernels["sanctum_sum_splits"] = mx.fast.cuda_kernel(
+            name="sanctum_sum_splits",
+            input_names=["p", "sizes"],
+            output_names=["y"],
+            source=SUM_SOURCE,
+        )
+    S, M, N = p.shape
+    (y,) = kernel(
+        inputs=[p, mx.array([S, M * N], dtype=mx.int32)],
+        grid=(-(-(M * N) // 256) * 256, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(M, N)],
+        output_dtypes=[mx.uint16],
+    )
+    return mx.view(y, mx.bfloat16)
 
 
 class FewRowsQuantizedLinear(nn.QuantizedLinear):
