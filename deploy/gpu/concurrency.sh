@@ -17,7 +17,12 @@
 #                rows a call
 #   seed-steady  bench batch --steady at 1,4,8 on it: round ms, tok/s vs one, the phases, the
 #                op counts (COUNT), every output judged against plain greedy (near-tie verdicts);
-#                then the same levels with acceptance forced to tau 5 (random weights accept none)
+#                then the same levels with acceptance forced to tau 5 (random weights accept none);
+#                the tiled kernel's weights as far ahead as ran fastest in qmm-tiled
+#   seed-rerun   seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=rerun (a shared
+#                verify keeps no rows' states; its rollback runs the GDN kernel again)
+#   seed-views   seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=views (a shared
+#                rollback as slices of the rows' states, against seed-steady's gather)
 #   default-served  bench batch --concurrency 1,4,8 --warm --repeats 3 on the default pair, served
 #                inline (a level lasts under a second there: the medians of three passes)
 #   cuda-tests   the CUDA tests and the greedy-equality tests judged up to a near tie there
@@ -26,10 +31,6 @@
 #                2..8 join, and the running streams' worst gap while a ~4K prompt is prefilled
 #   seed-wide    seed-steady's real levels again with SANCTUM_QMM_WIDE=wide (the wide kernel,
 #                not the tiled one that auto picks where it passed)
-#   seed-rerun   seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=rerun (a shared
-#                verify keeps no rows' states; its rollback runs the GDN kernel again)
-#   seed-views   seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=views (a shared
-#                rollback as slices of the rows' states, against seed-steady's gather)
 #   seed-groups  seed-steady's real levels again with SANCTUM_QMM_WIDE=wide
 #                SANCTUM_QMM_WIDE_GROUPS=2
 #   seed-split   seed-steady's real levels again with SANCTUM_QMM_WIDE=off (16 rows a call)
@@ -196,6 +197,8 @@ if [ -n "$pair" ]; then
   read -r target drafter <<< "$pair"
   seed_steady=("${bench[@]}" batch --model "$target" --drafter "$drafter" "${steady[@]}")
   step seed-steady 330 "${seed_steady[@]}" --force-tau 0,5
+  step seed-rerun 200 env SANCTUM_SHARED_ROLLBACK=rerun "${seed_steady[@]}"
+  step seed-views 200 env SANCTUM_SHARED_ROLLBACK=views "${seed_steady[@]}"
 fi
 step default-served 150 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --repeats 3 --json
 cuda_tests=(tests/engine/test_cuda.py tests/engine/test_lookup.py tests/engine/test_batch_rounds.py)
@@ -205,8 +208,6 @@ step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovi
 step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"
 if [ -n "$pair" ]; then
   step seed-wide 200 env SANCTUM_QMM_WIDE=wide "${seed_steady[@]}"
-  step seed-rerun 200 env SANCTUM_SHARED_ROLLBACK=rerun "${seed_steady[@]}"
-  step seed-views 200 env SANCTUM_SHARED_ROLLBACK=views "${seed_steady[@]}"
   step seed-groups 200 env SANCTUM_QMM_WIDE=wide SANCTUM_QMM_WIDE_GROUPS=2 "${seed_steady[@]}"
   step seed-split 240 env SANCTUM_QMM_WIDE=off "${seed_steady[@]}"
   step seed-trace 150 "${bench[@]}" round-trace --model "$target" --drafter "$drafter" \
