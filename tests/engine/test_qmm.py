@@ -148,8 +148,9 @@ def test_tiled_wrapper_adds_the_splits_sums(monkeypatch):
     launches = []
 
     def kernel(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-        x, w, scales, biases = inputs
+        x, w, scales, biases, dims = inputs
         t = dict(template)
+        assert dims.tolist() == [x.shape[0]] and t["NT"] == -(-x.shape[0] // 8)
         assert t["AHEAD"] == qmm_cuda.TILED_AHEAD
         launches.append((t["S"], grid, threadgroup, output_shapes[0], output_dtypes[0]))
         wf = mx.dequantize(

@@ -187,14 +187,18 @@ __device__ __forceinline__ void sanctum_mma_tile(const SanctumTile<NT>& q, float
 # The kernel in three parts: its set-up, its loop over K tiles, and the reduction across warps
 # and the rounded store; the wide variant (below) has set-up and a loop of its own. Both start
 # from the tiles' and the lane's indices (a lane: g = lane / 4, t = lane % 4).
-SOURCE_INDICES = """
+SOURCE_LANES = """
     constexpr int TILES = K / 128;
-    constexpr int NT = (M + 7) / 8;  // 8-row tiles of x (the mma's n)
     const int lane = threadIdx.x;
     const int warp = threadIdx.y;
     const int g = lane >> 2;
     const int t = lane & 3;
 """
+SOURCE_INDICES = (
+    """
+    constexpr int NT = (M + 7) / 8;  // 8-row tiles of x (the mma's n)"""
+    + SOURCE_LANES
+)
 SOURCE_HEAD = (
     """
     // One thread block per 16 output features; its warps split K in 128-wide tiles and
@@ -362,8 +366,11 @@ __device__ __forceinline__ uint4 sanctum_pair_x(const uint4& v) {
 )
 
 TILED_SOURCE = (
-    SOURCE_INDICES
+    SOURCE_LANES
     + """
+    // the rows are a run-time count (dims[0]) and only their 8-row tiles NT a template
+    // constant: one build serves 8 row counts
+    const int M = dims[0];
     constexpr int NT_ROWS = 8 * NT;  // staged rows (those from M on are zero)
     constexpr int CHUNKS = NT_ROWS * 16;  // 16-byte chunks of a staged 128-wide tile
     constexpr int PER = (CHUNKS + 32 * WARPS - 1) / (32 * WARPS);  // a thread's chunks
@@ -595,7 +602,7 @@ def tiled_qmm(
     if kernel is None:
         kernel = _kernels["sanctum_tiled_qmm"] = mx.fast.cuda_kernel(
             name="sanctum_tiled_qmm",
-            input_names=["x", "w", "scales", "biases"],
+            input_names=["x", "w", "scales", "biases", "dims"],
             output_names=["y"],
             source=TILED_SOURCE,
             header=TILED_HEADER,
@@ -609,9 +616,10 @@ def tiled_qmm(
             w,
             mx.view(scales, mx.uint16),
             mx.view(biases, mx.uint16),
+            mx.array([M], dtype=mx.int32),
         ],
         template=[
-            ("M", M),
+            ("NT", -(-M // 8)),
             ("K", K),
             ("N", N),
             ("WARPS", WARPS),
