@@ -136,45 +136,45 @@ STEPS=${STEPS:-}
 [ -z "$STEPS" ] || case " $STEPS " in *" seed-"*) STEPS="$STEPS build" ;; esac
 step build 300 "${bench[@]}" seed --build-only --json --dir "$seed_dir" "${seed_args[@]}"
 step qmm-wide 200 "$py" -c 'import json
-from sanctum.engine.kernels import cuda, qmm_cuda as q
+from sanctum.engine.kernels import cuda, qmm_checks as c, qmm_cuda as q
 if not cuda.is_cuda():
     raise SystemExit(print(json.dumps({"skipped": "not on CUDA"})))
-verdict = q.wide_verdict() or "ok"
+verdict = c.wide_verdict() or "ok"
 print(json.dumps({"wide_verdict": verdict}), flush=True)
 agreed = {}  # groups of 16 features a block that agree with MLX (x read half, a quarter as often)
 for g in (2, 4):
-    fn = q.wide_groups_qmm(g)
-    result = q.check(fn, rows=(17, 24, 33, 40, 57, 64)) or "ok"
+    fn = c.wide_groups_qmm(g)
+    result = c.check(fn, rows=(17, 24, 33, 40, 57, 64)) or "ok"
     print(json.dumps({"groups": g, "verdict": result}), flush=True)
     if result == "ok":
         agreed[g] = fn
 split = lambda x, *w: q.rows_qmm(x, *w, wide=False)
 for rows in (1, 8, 16, 24, 40, 64):
-    row = {"rows": rows, "mlx_ms": round(q.chain_ms(q.reference, rows=rows), 3)}
+    row = {"rows": rows, "mlx_ms": round(c.chain_ms(q.reference, rows=rows), 3)}
     if rows > 1:
-        row["split_ms"] = round(q.chain_ms(split, rows=rows), 3)
+        row["split_ms"] = round(c.chain_ms(split, rows=rows), 3)
     if rows > q.MAX_ROWS and verdict == "ok":
-        row["wide_ms"] = round(q.chain_ms(q.wide_rows_qmm, rows=rows), 3)
+        row["wide_ms"] = round(c.chain_ms(c.wide_rows_qmm, rows=rows), 3)
     for g, fn in agreed.items() if rows > q.MAX_ROWS else ():
-        row[f"wide_g{g}_ms"] = round(q.chain_ms(fn, rows=rows), 3)
+        row[f"wide_g{g}_ms"] = round(c.chain_ms(fn, rows=rows), 3)
     print(json.dumps(row), flush=True)'
 step qmm-tiled 200 "$py" -c 'import json
-from sanctum.engine.kernels import cuda, qmm_cuda as q
+from sanctum.engine.kernels import cuda, qmm_checks as c, qmm_cuda as q
 if not cuda.is_cuda():
     raise SystemExit(print(json.dumps({"skipped": "not on CUDA"})))
-verdict = q.tiled_verdict() or "ok"  # its check at 3 splittings, then faster than both rivals
+verdict = c.tiled_verdict() or "ok"  # its check at 3 splittings, then faster than both rivals
 print(json.dumps({"tiled_verdict": verdict}), flush=True)
 for ahead in (2, 3):  # the weights 2 or 3 tiles ahead
-    result = q.check(q.tiled_blocks_qmm(None, ahead), q.TILED_SHAPES, rows=(2, 17, 64)) or "ok"
+    result = c.check(c.tiled_blocks_qmm(None, ahead), c.TILED_SHAPES, rows=(2, 17, 64)) or "ok"
     print(json.dumps({"ahead": ahead, "verdict": result}), flush=True)
 if verdict == "ok" or verdict.startswith("not faster"):
     for rows in (64, 24, 8):
-        row = {"rows": rows, "split_ms": round(q.chain_ms(lambda x, *w: q.rows_qmm(x, *w, wide=False), rows=rows), 3)}
+        row = {"rows": rows, "split_ms": round(c.chain_ms(lambda x, *w: q.rows_qmm(x, *w, wide=False), rows=rows), 3)}
         if rows > q.MAX_ROWS:
-            row["wide_ms"] = round(q.chain_ms(q.wide_groups_qmm(1), rows=rows), 3)
+            row["wide_ms"] = round(c.chain_ms(c.wide_groups_qmm(1), rows=rows), 3)
         for blocks, ahead in ((264, 1), (528, 1), (264, 2), (264, 3), (528, 2)):
-            fn = q.tiled_blocks_qmm(blocks, ahead)
-            row[f"tiled_b{blocks}_a{ahead}_ms"] = round(q.chain_ms(fn, rows=rows), 3)
+            fn = c.tiled_blocks_qmm(blocks, ahead)
+            row[f"tiled_b{blocks}_a{ahead}_ms"] = round(c.chain_ms(fn, rows=rows), 3)
         print(json.dumps(row), flush=True)'
 # the seed steps below take the weights as many tiles ahead as ran fastest at 64 rows here
 ahead=$("$py" -c 'import json, sys

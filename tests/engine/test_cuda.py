@@ -9,7 +9,7 @@ from argparse import Namespace
 import mlx.core as mx
 import pytest
 from sanctum import settings
-from sanctum.engine.kernels import cuda, draft_cuda, gdn_cuda, qmm_cuda
+from sanctum.engine.kernels import cuda, draft_cuda, gdn_cuda, qmm_checks
 
 pytestmark = pytest.mark.skipif(not cuda.is_cuda(), reason="needs MLX's CUDA backend")
 
@@ -44,8 +44,8 @@ def test_gdn_rerun_gives_the_taped_rows_states_bit_for_bit():
 def test_few_row_qmm_kernel_matches_mlx():
     """The few-row 4-bit kernel against MLX's quantized matmul: its own check, and the seed
     target's MLP shapes (5120 -> 17408 -> 5120) at the verify's row counts."""
-    assert qmm_cuda.check() is None
-    assert qmm_cuda.check(shapes=((17408, 5120), (5120, 17408)), rows=(2, 8, 16)) is None
+    assert qmm_checks.check() is None
+    assert qmm_checks.check(shapes=((17408, 5120), (5120, 17408)), rows=(2, 8, 16)) is None
 
 
 @pytest.mark.parametrize("groups", settings.QMM_WIDE_GROUPS)
@@ -53,10 +53,10 @@ def test_wide_qmm_kernel_matches_mlx(groups):
     """The wide variant (17..64 rows in one call, 16, 32 or 64 features a thread block)
     against MLX's quantized matmul, at a shared verify's row counts, its check's shapes and
     the seed target's MLP shapes."""
-    fn = qmm_cuda.wide_groups_qmm(groups)
-    assert qmm_cuda.check(fn, rows=(17, 24, 33, 40, 57, 64)) is None
+    fn = qmm_checks.wide_groups_qmm(groups)
+    assert qmm_checks.check(fn, rows=(17, 24, 33, 40, 57, 64)) is None
     shapes = ((17408, 5120), (5120, 17408))
-    assert qmm_cuda.check(fn, shapes=shapes, rows=(24, 64)) is None
+    assert qmm_checks.check(fn, shapes=shapes, rows=(24, 64)) is None
 
 
 @pytest.mark.parametrize(("blocks", "ahead"), [(1, None), (24, None), (None, None), (24, 3)])
@@ -64,10 +64,10 @@ def test_tiled_qmm_kernel_matches_mlx(blocks, ahead):
     """The tiled variant (x staged in shared memory, 128 features a thread block) against MLX's
     quantized matmul, K whole (blocks=1) and split, the weights 1 or 3 tiles ahead, at its
     check's shapes (one of N not a multiple of 128) and the seed target's MLP shapes."""
-    fn = qmm_cuda.tiled_blocks_qmm(blocks, ahead)
-    assert qmm_cuda.check(fn, qmm_cuda.TILED_SHAPES, rows=(2, 17, 24, 33, 40, 57, 64)) is None
+    fn = qmm_checks.tiled_blocks_qmm(blocks, ahead)
+    assert qmm_checks.check(fn, qmm_checks.TILED_SHAPES, rows=(2, 17, 24, 33, 40, 57, 64)) is None
     shapes = ((17408, 5120), (5120, 17408))
-    assert qmm_cuda.check(fn, shapes=shapes, rows=(24, 64)) is None
+    assert qmm_checks.check(fn, shapes=shapes, rows=(24, 64)) is None
 
 
 def test_cuda_paths_end_to_end():

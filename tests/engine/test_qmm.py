@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from sanctum.engine.kernels import fused, qmm_cuda
+from sanctum.engine.kernels import fused, qmm_checks, qmm_cuda
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +89,7 @@ def test_with_the_wide_kernel_a_shared_verify_takes_one_call(monkeypatch):
         )
     calls.clear()  # a wrong wide kernel is caught by the check its verdict runs
     monkeypatch.setattr(qmm_cuda, "wide_qmm", lambda x, *wq: qmm_cuda.reference(x, *wq[:3]) * 1.5)
-    assert "max error" in qmm_cuda.check(qmm_cuda.wide_rows_qmm, rows=(17, 40))
+    assert "max error" in qmm_checks.check(qmm_checks.wide_rows_qmm, rows=(17, 40))
 
 
 def test_with_the_tiled_kernel_a_shared_verify_takes_it(monkeypatch):
@@ -113,7 +113,7 @@ def test_with_the_tiled_kernel_a_shared_verify_takes_it(monkeypatch):
     for rows in (8, 17, 64, 65):
         layer(mx.random.normal((rows, 512)).astype(mx.bfloat16))
     assert calls == [("small", 8), ("tiled", 17), ("tiled", 64)]
-    qmm_cuda.wide_groups_qmm(2)(mx.zeros((24, 512), mx.bfloat16), *_weights(layer))
+    qmm_checks.wide_groups_qmm(2)(mx.zeros((24, 512), mx.bfloat16), *_weights(layer))
     assert calls[-1] == ("wide", 24)
     calls.clear()  # where it also beat the few-row kernel: a block of one sequence too
     monkeypatch.setattr(qmm_cuda, "TILED_FEW", True)
@@ -214,18 +214,18 @@ def test_wide_groups_fall_back_where_they_do_not_divide_the_features(monkeypatch
         y = qmm_cuda.wide_qmm(x, layer["weight"], layer["scales"], layer["biases"])
         assert y.shape == (24, n_out)
     assert seen == [(64, 4), (32, 2), (16, 1), (48, 1)]
-    qmm_cuda.wide_groups_qmm(2)(x, layer["weight"], layer["scales"], layer["biases"])
+    qmm_checks.wide_groups_qmm(2)(x, layer["weight"], layer["scales"], layer["biases"])
     assert seen[-1] == (48, 1)  # asked for 2: 48 features take 1
 
 
 def test_check_accepts_the_reference_and_catches_a_bad_kernel():
-    assert qmm_cuda.check(qmm_cuda.reference) is None
+    assert qmm_checks.check(qmm_cuda.reference) is None
 
     def one_row_wrong(x, w, scales, biases):
         y = qmm_cuda.reference(x, w, scales, biases)
         return mx.concatenate([y[:1] * 1.5, y[1:]])
 
-    assert "max error" in qmm_cuda.check(one_row_wrong)
+    assert "max error" in qmm_checks.check(one_row_wrong)
 
 
 class _Pair(nn.Module):  # an owner of two sibling projections, as an MLP's gate and up

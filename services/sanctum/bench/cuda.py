@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.gated_delta import gated_delta_ops, normalize_qk
 
-from ..engine.kernels import cuda, gdn_cuda, qmm_cuda
+from ..engine.kernels import cuda, gdn_cuda, qmm_checks, qmm_cuda
 from ..engine.model import gdn
 from .decode import first_divergence
 
@@ -54,7 +54,7 @@ def dependent_call_ms(fn, weights: tuple, rows: int, calls: int = 16, reps: int 
             h = h + 0 * ys[-1][:, :1]
         mx.eval(ys)
 
-    return round(qmm_cuda.median_ms(run, reps) / calls, 4)
+    return round(qmm_checks.median_ms(run, reps) / calls, 4)
 
 
 def qmm_timings(kernel, shapes=QMM_SHAPES, rows=(2, 4, 8, 16), chain: bool = True) -> dict:
@@ -78,7 +78,7 @@ def qmm_timings(kernel, shapes=QMM_SHAPES, rows=(2, 4, 8, 16), chain: bool = Tru
             }
         out[name] = row
     if chain:
-        ms = {"kernel": qmm_cuda.chain_ms(kernel), "mlx": qmm_cuda.chain_ms(qmm_cuda.reference)}
+        ms = {"kernel": qmm_checks.chain_ms(kernel), "mlx": qmm_checks.chain_ms(qmm_cuda.reference)}
         out["chain_of_16_at_8_rows_ms"] = {k: round(v, 3) for k, v in ms.items()}
     return out
 
@@ -193,7 +193,7 @@ def run(args) -> dict:
             checks[f"{name} {dtype}"] = gdn_cuda.check(kernel, *shape, dtype) or "ok"
     result["gdn_kernel_checks"] = checks
     qmm = qmm_cuda.small_qmm if not standin else qmm_cuda.reference
-    result["qmm_kernel_check"] = qmm_cuda.check(qmm) or "ok"
+    result["qmm_kernel_check"] = qmm_checks.check(qmm) or "ok"
     if result["qmm_kernel_check"] == "ok" and not standin:  # timings mean nothing off CUDA
         result["qmm_ms_by_shape"] = qmm_timings(qmm)
     kernel_ok = all(v == "ok" for v in checks.values()) and result["qmm_kernel_check"] == "ok"

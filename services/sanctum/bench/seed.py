@@ -35,7 +35,7 @@ from ..engine.decode.peer import LocalDraftPeer
 from ..engine.decode.policy import DecodePolicy, draft_ahead_default
 from ..engine.decode.rounds import BatchDecoder
 from ..engine.decode.sampling import SamplingParams, acceptance_length, greedy_tokens
-from ..engine.kernels import cuda, fused, qmm_cuda
+from ..engine.kernels import cuda, fused, qmm_checks, qmm_cuda
 from ..engine.model import gdn
 from ..engine.model.target import load_target
 from .seedbuild import SMALL, SeedShape, ensure
@@ -155,9 +155,9 @@ def verify_costs(target, prompt: list[int], tap_ids, reps: int, kv: str) -> tupl
     def build_ms(times):  # the synced calls' median, not the first (it may compile)
         return round(1000 * statistics.median(times[1:]), 3)
 
-    out = {"decode_ms": round(qmm_cuda.median_ms(decode, reps), 3), "verify_ms": {}}
+    out = {"decode_ms": round(qmm_checks.median_ms(decode, reps), 3), "verify_ms": {}}
     for L in VERIFY_ROWS:
-        out["verify_ms"][L] = round(qmm_cuda.median_ms(lambda L=L: verify(L), reps), 3)
+        out["verify_ms"][L] = round(qmm_checks.median_ms(lambda L=L: verify(L), reps), 3)
     out["verify_ratio"] = {L: round(ms / out["decode_ms"], 3) for L, ms in out["verify_ms"].items()}
     out["build_ms"] = {
         "decode": build_ms(builds["decode"]),

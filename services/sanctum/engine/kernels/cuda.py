@@ -169,7 +169,7 @@ def prepare_linear(model) -> None:
         return
     source = hashlib.sha1((qmm_cuda.HEADER + qmm_cuda.SOURCE).encode()).hexdigest()[:12]
     result = _child_verdict(
-        f"mlx {mx.__version__} qmm {source}", ["sanctum.engine.kernels.qmm_cuda"]
+        f"mlx {mx.__version__} qmm {source}", ["sanctum.engine.kernels.qmm_checks"]
     )
     _qmm["verdict"] = result or "ok"
     if result is not None:
@@ -204,7 +204,7 @@ def _prepare_wide() -> None:
         source = (qmm_cuda.TILED_HEADER + qmm_cuda.TILED_SOURCE).encode()
         key = f"mlx {mx.__version__} qmm tiled {hashlib.sha1(source).hexdigest()[:12]} G{groups}"
         key += f" A{ahead}"
-        args = ["sanctum.engine.kernels.qmm_cuda", "tiled", str(groups), str(ahead)]
+        args = ["sanctum.engine.kernels.qmm_checks", "tiled", str(groups), str(ahead)]
         tiled = _child_verdict(key, args)
         _qmm["tiled"] = tiled or "ok"
         if tiled is None:
@@ -217,7 +217,7 @@ def _prepare_wide() -> None:
         log.warning("tiled 4-bit matmul kernel not used: %s", tiled)
     source = (qmm_cuda.WIDE_HEADER + qmm_cuda.WIDE_SOURCE).encode()
     key = f"mlx {mx.__version__} qmm wide {hashlib.sha1(source).hexdigest()[:12]} G{groups}"
-    result = _child_verdict(key, ["sanctum.engine.kernels.qmm_cuda", "wide", str(groups)])
+    result = _child_verdict(key, ["sanctum.engine.kernels.qmm_checks", "wide", str(groups)])
     _qmm["wide"] = result or "ok"
     qmm_cuda.WIDE = result is None
     if result is not None:

@@ -18,22 +18,20 @@ mlx-lm's.
 
 Contract: `small_qmm(x [M, K], w, scales, biases)` == `mx.quantized_matmul(x, w, scales,
 biases, transpose=True, group_size=64, bits=4)` within bfloat16 rounding, for 2 <= M <= 16,
-K % 128 == 0, N % 16 == 0; `wide_qmm` the same for 16 < M <= 64, in one call. Each used only
+K % 128 == 0, N % 16 == 0; `wide_qmm` the same for 16 < M <= 64, in one call, and
+`tiled_qmm` for 2 <= M <= 64. Each used only
 after its check agreed on this GPU at load and it was faster than what it replaces there
-(engine/kernels/cuda.py).
+(engine/kernels/cuda.py runs engine/kernels/qmm_checks.py in a child process).
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import fused
-from .agreement import disagreement
 
 MAX_ROWS = 16
 WARPS = 8  # warps per thread block, splitting K
@@ -760,151 +758,3 @@ def disabled(model: nn.Module):
             m.__class__ = kind
         for p in products:
             p.kernel = _through_kernel
-
-
-def check(fn=None, shapes=((256, 512), (1024, 1536)), rows=(2, 7, 8, 16, 17, 40, 64)) -> str | None:
-    """Compare `fn` (default `rows_qmm`: the kernel, split past MAX_ROWS rows) with
-    mx.quantized_matmul on random 4-bit weights: None when they agree within bfloat16
-    rounding, else why not."""
-    fn = fn or rows_qmm
-    key = mx.random.key(3)
-    for N, K in shapes:
-        k1, k2, key = mx.random.split(key, 3)
-        w = (mx.random.normal((N, K), key=k1) * K**-0.5).astype(mx.bfloat16)
-        wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
-        for M in rows:
-            x = mx.random.normal((M, K), key=k2).astype(mx.bfloat16)
-            want = reference(x, wq, scales, biases)
-            try:
-                results = {"eager": fn(x, wq, scales, biases)}
-                results["compiled"] = mx.compile(fn)(x, wq, scales, biases)
-                mx.eval(want, results)
-            except Exception as exc:  # a kernel that does not build or run on this GPU
-                return f"M={M} N={N} K={K}: {exc.__class__.__name__}: {str(exc)[:300]}"
-            if (why := disagreement(results, want, 2e-2)) is not None:
-                return f"M={M} N={N} K={K} {why}"
-    return None
-
-
-def median_ms(run, reps: int) -> float:
-    """Median wall ms of `run()` (which evaluates what it builds) over `reps` calls, after one
-    (this module's speed gate, and `bench seed`'s synced timings)."""
-    import statistics
-    import time
-
-    run()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
-
-
-def chain_ms(fn, rows: int = 8, pairs: int = 8, reps: int = 5) -> float:
-    """ms of `pairs` MLP-shaped products (5120 -> 17408 -> 5120) one after the other, each on
-    the last one's output, as a verify's layers run them (not overlapped)."""
-
-    def quantized(n_out, n_in):
-        w = (mx.random.normal((n_out, n_in)) * n_in**-0.5).astype(mx.bfloat16)
-        return mx.quantize(w, group_size=64, bits=4)
-
-    up, down = quantized(17408, 5120), quantized(5120, 17408)
-    x = mx.random.normal((rows, 5120)).astype(mx.bfloat16)
-    mx.eval(up, down, x)
-
-    def run():
-        h = x
-        for _ in range(pairs):
-            h = fn(fn(h, *up), *down)
-        mx.eval(h)
-
-    return median_ms(run, reps)
-
-
-def wide_rows_qmm(x: mx.array, w, scales, biases) -> mx.array:
-    """`rows_qmm` with the wide kernel on (its check's and speed gate's subject)."""
-    return rows_qmm(x, w, scales, biases, wide=True)
-
-
-def wide_groups_qmm(groups: int):
-    """`wide_rows_qmm` with `groups` groups of 16 features a thread block (a benchmark's)."""
-    return lambda x, w, scales, biases: rows_qmm(x, w, scales, biases, True, groups)
-
-
-def wide_verdict() -> str | None:
-    """`check` of the wide kernel at 17..WIDE_ROWS rows, then its speed gate: used only where
-    WIDE_ROWS rows in one call beat MAX_ROWS rows a call (a chain of MLP-shaped products)."""
-    if (result := check(wide_rows_qmm, rows=(17, 24, 33, 40, 57, 64))) is not None:
-        return result
-    ours = chain_ms(wide_rows_qmm, rows=WIDE_ROWS)
-    split = chain_ms(lambda x, *wq: rows_qmm(x, *wq, wide=False), rows=WIDE_ROWS)
-    if not ours < 0.95 * split:
-        return f"not faster than {MAX_ROWS} rows a call at {WIDE_ROWS}: {ours:.2f} against {split:.2f} ms"
-    return None
-
-
-TILED_SHAPES = ((256, 512), (1024, 1536), (272, 640))  # N not a multiple of 128, K of 5 tiles
-
-
-def tiled_blocks_qmm(blocks: int | None, ahead: int | None = None):
-    """`tiled_qmm` aiming at `blocks` thread blocks (1: K in one split), the weights `ahead`
-    tiles ahead (a check's, a benchmark's)."""
-    return lambda x, w, scales, biases: tiled_qmm(x, w, scales, biases, blocks, ahead)
-
-
-def tiled_verdict() -> str | None:
-    """`check` of the tiled kernel (the weights TILED_AHEAD tiles ahead) at 2..WIDE_ROWS rows,
-    K whole and split, then its speed gate: used only where it beats both the wide kernel (at
-    WIDE_GROUPS) and MAX_ROWS rows a call at WIDE_ROWS rows."""
-    for blocks in (1, 24, None):
-        fn = tiled_blocks_qmm(blocks)
-        if (result := check(fn, TILED_SHAPES, rows=(2, 17, 24, 33, 40, 57, 64))) is not None:
-            return f"blocks={blocks or TILED_BLOCKS}: {result}"
-    ours = chain_ms(tiled_blocks_qmm(None), rows=WIDE_ROWS)
-    wide = chain_ms(wide_groups_qmm(WIDE_GROUPS), rows=WIDE_ROWS)
-    split = chain_ms(lambda x, *wq: rows_qmm(x, *wq, wide=False), rows=WIDE_ROWS)
-    if not ours < 0.95 * min(wide, split):
-        return (
-            f"not faster at {WIDE_ROWS} rows: {ours:.2f} ms against the wide kernel's {wide:.2f}"
-            f" and {MAX_ROWS} rows a call's {split:.2f}"
-        )
-    return None
-
-
-def tiled_few_verdict() -> str | None:
-    """`check` of the tiled kernel at 2..MAX_ROWS rows, then its gate there: used for them
-    only where it beats the few-row kernel at 8 rows (a chain of MLP-shaped products)."""
-    if (result := check(tiled_blocks_qmm(None), rows=(2, 7, 8, 16))) is not None:
-        return result
-    ours, few = chain_ms(tiled_blocks_qmm(None)), chain_ms(small_qmm)
-    if not ours < 0.95 * few:
-        return f"not faster at 8 rows: {ours:.2f} ms against the few-row kernel's {few:.2f}"
-    return None
-
-
-def verdict() -> str | None:
-    """`check`, then the speed gate: the kernel is used only where it beats MLX's own matmul
-    at 8 rows on this GPU (a kernel that agrees but is slower would only cost time)."""
-    if (result := check()) is not None:
-        return result
-    ours, theirs = chain_ms(small_qmm), chain_ms(reference)
-    if not ours < 0.9 * theirs:
-        return f"slower than MLX's at 8 rows: {ours:.2f} ms against {theirs:.2f} ms"
-    return None
-
-
-if __name__ == "__main__":  # engine/kernels/cuda.py runs the checks here, in a child process
-    kind = sys.argv[1] if len(sys.argv) > 1 else "few"  # few | wide G | tiled G A | tiled-few G A
-    if kind != "few":  # the wide kernel at the groups the parent will use
-        WIDE_GROUPS = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    if kind.startswith("tiled"):  # ... and the tiled one with the weights as far ahead
-        TILED_AHEAD = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-    verdicts = {
-        "few": verdict,
-        "wide": wide_verdict,
-        "tiled": tiled_verdict,
-        "tiled-few": tiled_few_verdict,
-    }
-    print(json.dumps({"verdict": verdicts[kind]()}))
-    sys.exit(0)
