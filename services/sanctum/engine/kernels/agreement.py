@@ -6,6 +6,22 @@ from __future__ import annotations
 import mlx.core as mx
 
 
+def compare(where: str, fn, args: tuple, want: mx.array, tolerance: float, compiled=True):
+    """`fn(*args)` eagerly (and, with `compiled`, inside mx.compile) against `want`: None when
+    both agree, else why not, prefixed by `where` (the case: its shapes). A kernel that does
+    not build or run on this GPU is a disagreement too."""
+    try:
+        results = {"eager": fn(*args)}
+        if compiled:
+            results["compiled"] = mx.compile(fn)(*args)
+        mx.eval(want, results)
+    except Exception as exc:
+        return f"{where}: {exc.__class__.__name__}: {str(exc)[:300]}"
+    if (why := disagreement(results, want, tolerance)) is not None:
+        return f"{where} {why}"
+    return None
+
+
 def disagreement(results: dict, want: mx.array, tolerance: float) -> str | None:
     """The first of `results` (name -> output) that differs from `want`, said in words; None
     when all agree."""

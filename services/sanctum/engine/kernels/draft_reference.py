@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .agreement import disagreement
+from .agreement import compare
 from .sdpa import scaled_dot_product_attention
 
 
@@ -132,15 +132,9 @@ def check_attention(fn, spec, rows=(8, 16), contexts=None, compiled=True):
             bounds = mx.array([front, front + C, cap], mx.int32)
             args = (qkv, q_norm, k_norm, keys, values, start, bounds)
             want = reference_attention(*args, spec, inv_freq)
-            try:
-                results = {"eager": fn(*args, spec, inv_freq)}
-                if compiled:
-                    results["compiled"] = mx.compile(lambda *a: fn(*a, spec, inv_freq))(*args)
-                mx.eval(want, results)
-            except Exception as exc:  # a kernel that does not build or run on this GPU
-                return f"L={L} C={C}: {exc.__class__.__name__}: {str(exc)[:300]}"
-            if (why := disagreement(results, want, 2e-2)) is not None:
-                return f"L={L} C={C} {why}"
+            run = lambda *a: fn(*a, spec, inv_freq)  # (the arrays only: compile takes them)
+            if (why := compare(f"L={L} C={C}", run, args, want, 2e-2, compiled)) is not None:
+                return why
     return None
 
 
@@ -157,15 +151,8 @@ def check_conv(fn, hidden: int, kernel: int, group: int, rows=(1, 2, 8, 16), com
         for which in (0, 1):
             for r in (None, res):
                 want = reference_conv(x, dyn, base, which, group, r)
-                try:
-                    results = {"eager": fn(x, dyn, base, which, group, r)}
-                    if compiled:
-                        results["compiled"] = mx.compile(
-                            lambda a, b, c, r_=r, w_=which: fn(a, b, c, w_, group, r_)
-                        )(x, dyn, base)
-                    mx.eval(want, results)
-                except Exception as exc:
-                    return f"L={L}: {exc.__class__.__name__}: {str(exc)[:300]}"
-                if (why := disagreement(results, want, 1e-2)) is not None:
-                    return f"L={L} which={which} {why}"
+                run = lambda a, b, c, r_=r, w_=which: fn(a, b, c, w_, group, r_)
+                where = f"L={L} which={which}"
+                if (why := compare(where, run, (x, dyn, base), want, 1e-2, compiled)) is not None:
+                    return why
     return None

@@ -11,7 +11,7 @@ import sys
 import mlx.core as mx
 
 from . import qmm_cuda
-from .agreement import disagreement
+from .agreement import compare
 
 
 def check(fn=None, shapes=((256, 512), (1024, 1536)), rows=(2, 7, 8, 16, 17, 40, 64)) -> str | None:
@@ -27,14 +27,9 @@ def check(fn=None, shapes=((256, 512), (1024, 1536)), rows=(2, 7, 8, 16, 17, 40,
         for M in rows:
             x = mx.random.normal((M, K), key=k2).astype(mx.bfloat16)
             want = qmm_cuda.reference(x, wq, scales, biases)
-            try:
-                results = {"eager": fn(x, wq, scales, biases)}
-                results["compiled"] = mx.compile(fn)(x, wq, scales, biases)
-                mx.eval(want, results)
-            except Exception as exc:  # a kernel that does not build or run on this GPU
-                return f"M={M} N={N} K={K}: {exc.__class__.__name__}: {str(exc)[:300]}"
-            if (why := disagreement(results, want, 2e-2)) is not None:
-                return f"M={M} N={N} K={K} {why}"
+            args = (x, wq, scales, biases)
+            if (why := compare(f"M={M} N={N} K={K}", fn, args, want, 2e-2)) is not None:
+                return why
     return None
 
 
