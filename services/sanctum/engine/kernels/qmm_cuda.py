@@ -592,10 +592,10 @@ def tiled_qmm(
     blocks: int | None = None,
     ahead: int | None = None,
 ) -> mx.array:
-    """`wide_qmm` by the tiled kernel: x [M, K] (MAX_ROWS < M <= WIDE_ROWS; fewer work too)
-    staged in shared memory, 128 features a thread block, K split for `blocks` thread blocks
-    (`tiled_splits`), the weights `ahead` (default TILED_AHEAD) tiles ahead; the splits'
-    float32 sums added in order by `sum_splits`."""
+    """`wide_qmm` by the tiled kernel: x [M, K] (2 <= M <= WIDE_ROWS) staged in shared
+    memory, 128 features a thread block, K split for `blocks` thread blocks (`tiled_splits`),
+    the weights `ahead` (default TILED_AHEAD) tiles ahead; the splits' float32 sums added in
+    order by `sum_splits`."""
     kernel = _kernels.get("sanctum_tiled_qmm")
     if kernel is None:
         kernel = _kernels["sanctum_tiled_qmm"] = mx.fast.cuda_kernel(
@@ -726,7 +726,9 @@ def rows_qmm(
 ) -> mx.array:
     """`small_qmm` for x [M, K] of 2..SPLIT_ROWS rows: MAX_ROWS rows a call (a last call of one
     row borrows one from the call before: the kernel takes 2 or more), or with `wide` (default
-    WIDE) up to WIDE_ROWS rows in one `wide_qmm` call (`groups`: its groups of features)."""
+    WIDE) up to WIDE_ROWS rows in one call: `tiled_qmm`'s where TILED (and up to MAX_ROWS too
+    where TILED_FEW), else `wide_qmm`'s (`groups`: its groups of features). A caller that names
+    `wide` or `groups` (a check, a benchmark) gets the kernel it names."""
     rows = x.shape[0]
     if rows <= MAX_ROWS:
         if TILED_FEW and wide is None:

@@ -397,8 +397,8 @@ def _compiled_key(mod: nn.Module, taped: bool, rows: int) -> tuple | None:
         return None
     # (whether a taped pass keeps rows' states or the kernel's inputs also depends on its batch:
     # a new batch size is a new trace of the same compiled function)
-    kernel = BLOCK_KERNEL_KEEPS_ROWS and _block_kernel(rows) is not None
-    tape_kind = (_one_chunk_tape(mod, rows), kernel, SHARED_ROLLBACK) if taped else ()
+    keeps_rows = BLOCK_KERNEL_KEEPS_ROWS and _block_kernel(rows) is not None
+    tape_kind = (_one_chunk_tape(mod, rows), keeps_rows, SHARED_ROLLBACK) if taped else ()
     return (id(mod), taped, *tape_kind, id(BLOCK_KERNEL), MLX_LM_PREFILL)
 
 
