@@ -198,12 +198,15 @@ def _prepare_wide() -> None:
         return
     groups = settings.device().qmm_wide_groups
     qmm_cuda.WIDE_GROUPS = _qmm["wide_groups"] = groups
+    # the gates time these kernels against each other: a verdict holds for all their sources
+    sources = (qmm_cuda.HEADER + qmm_cuda.SOURCE + qmm_cuda.WIDE_HEADER + qmm_cuda.WIDE_SOURCE) + (
+        qmm_cuda.TILED_HEADER + qmm_cuda.TILED_SOURCE + qmm_cuda.SUM_SOURCE
+    )
+    digest = hashlib.sha1(sources.encode()).hexdigest()[:12]
     if mode == "auto":
         ahead = settings.device().qmm_tiled_ahead
         qmm_cuda.TILED_AHEAD = _qmm["tiled_ahead"] = ahead
-        source = (qmm_cuda.TILED_HEADER + qmm_cuda.TILED_SOURCE).encode()
-        key = f"mlx {mx.__version__} qmm tiled {hashlib.sha1(source).hexdigest()[:12]} G{groups}"
-        key += f" A{ahead}"
+        key = f"mlx {mx.__version__} qmm tiled {digest} G{groups} A{ahead}"
         args = ["sanctum.engine.kernels.qmm_checks", "tiled", str(groups), str(ahead)]
         tiled = _child_verdict(key, args)
         _qmm["tiled"] = tiled or "ok"
@@ -215,8 +218,7 @@ def _prepare_wide() -> None:
             _qmm["tiled_few"] = few or "ok"  # 2..16 rows through it too
             return
         log.warning("tiled 4-bit matmul kernel not used: %s", tiled)
-    source = (qmm_cuda.WIDE_HEADER + qmm_cuda.WIDE_SOURCE).encode()
-    key = f"mlx {mx.__version__} qmm wide {hashlib.sha1(source).hexdigest()[:12]} G{groups}"
+    key = f"mlx {mx.__version__} qmm wide {digest} G{groups}"
     result = _child_verdict(key, ["sanctum.engine.kernels.qmm_checks", "wide", str(groups)])
     _qmm["wide"] = result or "ok"
     qmm_cuda.WIDE = result is None
