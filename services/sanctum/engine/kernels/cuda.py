@@ -199,10 +199,9 @@ def _prepare_wide() -> None:
     groups = settings.device().qmm_wide_groups
     qmm_cuda.WIDE_GROUPS = _qmm["wide_groups"] = groups
     # the gates time these kernels against each other: a verdict holds for all their sources
-    sources = (qmm_cuda.HEADER + qmm_cuda.SOURCE + qmm_cuda.WIDE_HEADER + qmm_cuda.WIDE_SOURCE) + (
-        qmm_cuda.TILED_HEADER + qmm_cuda.TILED_SOURCE + qmm_cuda.SUM_SOURCE
-    )
-    digest = hashlib.sha1(sources.encode()).hexdigest()[:12]
+    sources = ("HEADER", "SOURCE", "WIDE_HEADER", "WIDE_SOURCE", "TILED_HEADER", "TILED_SOURCE")
+    text = "".join(getattr(qmm_cuda, name) for name in (*sources, "SUM_SOURCE"))
+    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
     if mode == "auto":
         ahead = settings.device().qmm_tiled_ahead
         qmm_cuda.TILED_AHEAD = _qmm["tiled_ahead"] = ahead
