@@ -17,12 +17,13 @@
 #                rows a call
 #   seed-steady  bench batch --steady at 1,4,8 on it: round ms, tok/s vs one, the phases, the
 #                op counts (COUNT), every output judged against plain greedy (near-tie verdicts);
-#                then the same levels with acceptance forced to tau 5 (random weights accept none);
 #                the tiled kernel's weights as far ahead as ran fastest in qmm-tiled
 #   seed-rerun   seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=rerun (a shared
 #                verify keeps no rows' states; its rollback runs the GDN kernel again)
 #   seed-views   seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=views (a shared
 #                rollback as slices of the rows' states, against seed-steady's gather)
+#   seed-tau5    seed-steady's levels with acceptance forced to tau 5 (random weights accept
+#                none)
 #   default-served  bench batch --concurrency 1,4,8 --warm --repeats 3 on the default pair, served
 #                inline (a level lasts under a second there: the medians of three passes)
 #   cuda-tests   the CUDA tests and the greedy-equality tests judged up to a near tie there
@@ -196,9 +197,10 @@ steady=(--steady "$rounds" --warm-rounds "$warm" --phases "$phases" --concurrenc
 if [ -n "$pair" ]; then
   read -r target drafter <<< "$pair"
   seed_steady=("${bench[@]}" batch --model "$target" --drafter "$drafter" "${steady[@]}")
-  step seed-steady 330 "${seed_steady[@]}" --force-tau 0,5
+  step seed-steady 240 "${seed_steady[@]}"
   step seed-rerun 200 env SANCTUM_SHARED_ROLLBACK=rerun "${seed_steady[@]}"
   step seed-views 200 env SANCTUM_SHARED_ROLLBACK=views "${seed_steady[@]}"
+  step seed-tau5 200 "${seed_steady[@]}" --force-tau 5
 fi
 step default-served 150 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --repeats 3 --json
 cuda_tests=(tests/engine/test_cuda.py tests/engine/test_lookup.py tests/engine/test_batch_rounds.py)
