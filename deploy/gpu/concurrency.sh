@@ -65,7 +65,7 @@ if [ "${QUICK:-0}" = 1 ]; then
   gaps=(--max-tokens 64 --join-tokens 16 --long-tokens 1024)
 else
   seed_args=(--scale seed --layers "${SEED_LAYERS:-64}")
-  rounds=${ROUNDS:-8} warm=${WARM:-4} phases=4 count=${COUNT:-0} passes=2 tokens=64
+  rounds=${ROUNDS:-8} warm=${WARM:-8} phases=4 count=${COUNT:-0} passes=2 tokens=64
   gaps=()
 fi
 bench=("$py" -m sanctum.cli bench)
