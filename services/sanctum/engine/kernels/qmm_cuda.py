@@ -37,7 +37,18 @@ MAX_ROWS = 16
 WARPS = 8  # warps per thread block, splitting K
 FEATURES = 16  # output features per thread block (the mma's m)
 
-HEADER = """
+# float32 -> the bits of bfloat16, rounded to nearest even as astype rounds (every kernel's store)
+ROUND_HEADER = """
+__device__ __forceinline__ uint16_t sanctum_bf16(float v) {
+  uint32_t u = __float_as_uint(v);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+"""
+
+HEADER = (
+    ROUND_HEADER
+    + """
 // A tile's weights in registers: the two feature rows' 32 packed values (one uint4 each) and
 // their group's scale and bias as bf16 pairs.
 struct SanctumWeights {
@@ -156,9 +167,7 @@ __device__ __forceinline__ void sanctum_reduce_store(
         const int m = 8 * h + 2 * t + (e & 1);  // the mma's C: row g (+8), columns 2t, 2t + 1
         const int n = n0 + g + 8 * (e >> 1);
         if (m < M) {
-          uint32_t u = __float_as_uint(v);
-          u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even, as astype does
-          y[(size_t)m * N + n] = (uint16_t)(u >> 16);
+          y[(size_t)m * N + n] = sanctum_bf16(v);
         }
       }
     }
@@ -181,6 +190,7 @@ __device__ __forceinline__ void sanctum_mma_tile(const SanctumTile<NT>& q, float
   }
 }
 """
+)
 
 # The kernel in three parts: its set-up, its loop over K tiles, and the reduction across warps
 # and the rounded store; the wide variant (below) has set-up and a loop of its own. Both start
@@ -468,10 +478,8 @@ TILED_SOURCE = (
           const int m = 8 * h + 2 * t + (e & 1);  // the mma's C: row g (+8), columns 2t, 2t + 1
           const int n = n0 + g + 8 * (e >> 1);
           if (m < M) {
-            if (S == 1) {  // y is bfloat16: rounded to nearest even, as astype rounds
-              uint32_t u = __float_as_uint(c[h][e]);
-              u += 0x7FFFu + ((u >> 16) & 1u);
-              y[(size_t)m * N + n] = (uint16_t)(u >> 16);
+            if (S == 1) {  // y is bfloat16
+              y[(size_t)m * N + n] = sanctum_bf16(c[h][e]);
             } else {  // y is float32 [S, M, N]: this split's sums
               y[((size_t)blockIdx.z * M + m) * N + n] = c[h][e];
             }
@@ -512,33 +520,38 @@ def small_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> m
     return _launch("sanctum_small_qmm", SOURCE, HEADER, x, w, scales, biases)
 
 
+OPERANDS = ["x", "w", "scales", "biases"]  # every 4-bit kernel's inputs, as `_operands` gives them
+
+
+def _kernel(name: str, source: str, header: str, inputs: list[str]):
+    """The mx.fast.cuda_kernel `name` (one output, y), built at its first use."""
+    kernel = _kernels.get(name)
+    if kernel is None:
+        kernel = _kernels[name] = mx.fast.cuda_kernel(
+            name=name, input_names=inputs, output_names=["y"], source=source, header=header
+        )
+    return kernel
+
+
+def _operands(x: mx.array, w, scales, biases) -> list[mx.array]:
+    """x, w, scales and biases as the kernels read them (bfloat16 as its 16-bit patterns)."""
+    return [mx.view(x, mx.uint16), w, mx.view(scales, mx.uint16), mx.view(biases, mx.uint16)]
+
+
 def _launch(
     name: str, source: str, header: str, x: mx.array, w, scales, biases, groups: int = 0
 ) -> mx.array:
     """Run kernel `name` (built from `source` and `header` at its first call) on x [M, K]:
     a thread block per FEATURES output features (per `groups` * FEATURES where the kernel
     takes a G), WARPS warps splitting K."""
-    kernel = _kernels.get(name)
-    if kernel is None:
-        kernel = _kernels[name] = mx.fast.cuda_kernel(
-            name=name,
-            input_names=["x", "w", "scales", "biases"],
-            output_names=["y"],
-            source=source,
-            header=header,
-        )
+    kernel = _kernel(name, source, header, OPERANDS)
     M, K = x.shape
     N = w.shape[0]
     template = [("M", M), ("K", K), ("N", N), ("WARPS", WARPS)]
     if groups:
         template.append(("G", groups))
     (y,) = kernel(
-        inputs=[
-            mx.view(x, mx.uint16),
-            w,
-            mx.view(scales, mx.uint16),
-            mx.view(biases, mx.uint16),
-        ],
+        inputs=_operands(x, w, scales, biases),
         template=template,
         grid=(32, WARPS * (N // (FEATURES * max(1, groups))), 1),
         threadgroup=(32, WARPS, 1),
@@ -596,26 +609,12 @@ def tiled_qmm(
     memory, 128 features a thread block, K split for `blocks` thread blocks (`tiled_splits`),
     the weights `ahead` (default TILED_AHEAD) tiles ahead; the splits' float32 sums added in
     order by `sum_splits`."""
-    kernel = _kernels.get("sanctum_tiled_qmm")
-    if kernel is None:
-        kernel = _kernels["sanctum_tiled_qmm"] = mx.fast.cuda_kernel(
-            name="sanctum_tiled_qmm",
-            input_names=["x", "w", "scales", "biases", "dims"],
-            output_names=["y"],
-            source=TILED_SOURCE,
-            header=TILED_HEADER,
-        )
+    kernel = _kernel("sanctum_tiled_qmm", TILED_SOURCE, TILED_HEADER, [*OPERANDS, "dims"])
     M, K = x.shape
     N = w.shape[0]
     splits = tiled_splits(K, N, blocks)
     (y,) = kernel(
-        inputs=[
-            mx.view(x, mx.uint16),
-            w,
-            mx.view(scales, mx.uint16),
-            mx.view(biases, mx.uint16),
-            mx.array([M], dtype=mx.int32),
-        ],
+        inputs=[*_operands(x, w, scales, biases), mx.array([M], dtype=mx.int32)],
         template=[
             ("NT", -(-M // 8)),
             ("K", K),
@@ -647,23 +646,14 @@ SUM_SOURCE = """
       for (int s = 1; s < splits; ++s) {
         v += p[(size_t)s * count + i];
       }
-      uint32_t u = __float_as_uint(v);
-      u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even, as astype does
-      y[i] = (uint16_t)(u >> 16);
+      y[i] = sanctum_bf16(v);
     }
 """
 
 
 def sum_splits(p: mx.array) -> mx.array:
     """p [S, M, N] float32 -> sum over S in order, rounded to bfloat16 [M, N]."""
-    kernel = _kernels.get("sanctum_sum_splits")
-    if kernel is None:
-        kernel = _kernels["sanctum_sum_splits"] = mx.fast.cuda_kernel(
-            name="sanctum_sum_splits",
-            input_names=["p", "sizes"],
-            output_names=["y"],
-            source=SUM_SOURCE,
-        )
+    kernel = _kernel("sanctum_sum_splits", SUM_SOURCE, ROUND_HEADER, ["p", "sizes"])
     S, M, N = p.shape
     (y,) = kernel(
         inputs=[p, mx.array([S, M * N], dtype=mx.int32)],
