@@ -154,14 +154,11 @@ def reference(
     rows, y over all of them): what `check` compares with, and the stand-in off CUDA."""
     from mlx_lm.models.gated_delta import gated_delta_ops
 
-    if rows is not None:
-        states = [
-            gated_delta_ops(*(x[b : b + 1, :r] for x in (q, k, v, g, beta)), state[b : b + 1])[1]
-            if r
-            else state[b : b + 1].astype(mx.float32)
-            for b, r in enumerate(rows)
-        ]
-        return gated_delta_ops(q, k, v, g, beta, state)[0], mx.concatenate(states)
+    if rows is not None:  # the kept rows' states, picked
+        y, _, kept = reference(q, k, v, g, beta, state, keep_rows=True)
+        before = state.astype(mx.float32)
+        picked = [kept[b, r - 1] if r else before[b] for b, r in enumerate(rows)]
+        return y, mx.stack(picked)
     if not keep_rows:
         return gated_delta_ops(q, k, v, g, beta, state)
     ys, rows = [], []
