@@ -9,7 +9,7 @@ from argparse import Namespace
 import mlx.core as mx
 import pytest
 from sanctum import settings
-from sanctum.engine.kernels import cuda, draft_cuda, gdn_cuda, qmm_checks
+from sanctum.engine.kernels import cuda, draft_cuda, gdn_cuda, qmm_checks, qmm_cuda
 
 pytestmark = pytest.mark.skipif(not cuda.is_cuda(), reason="needs MLX's CUDA backend")
 
@@ -68,6 +68,18 @@ def test_tiled_qmm_kernel_matches_mlx(blocks, ahead):
     assert qmm_checks.check(fn, qmm_checks.TILED_SHAPES, rows=(2, 17, 24, 33, 40, 57, 64)) is None
     shapes = ((17408, 5120), (5120, 17408))
     assert qmm_checks.check(fn, shapes=shapes, rows=(24, 64)) is None
+
+
+def test_tiled_qmm_rows_do_not_depend_on_the_rows_beside_them():
+    """A row's product through the tiled kernel is the same bits in a call of 8 rows and of 64
+    (K is split by N and K only, the splits added in order): a block verified alone and in a
+    shared verify get the same products."""
+    for N, K in ((17408, 5120), (5120, 17408)):  # K whole, and split 7 ways
+        w = (mx.random.normal((N, K)) * K**-0.5).astype(mx.bfloat16)
+        wq = mx.quantize(w, group_size=64, bits=4)
+        x = mx.random.normal((64, K)).astype(mx.bfloat16)
+        alone, shared = qmm_cuda.tiled_qmm(x[:8], *wq), qmm_cuda.tiled_qmm(x, *wq)
+        assert mx.array_equal(alone, shared[:8]), (N, K)
 
 
 def test_cuda_paths_end_to_end():
