@@ -12,9 +12,9 @@
 #   qmm-wide     the wide 4-bit kernel's check and a chain of the seed's MLP products at 1..64
 #                rows: one wide call (16, 32 or 64 features a block), 16 rows a call, MLX's
 #   qmm-tiled    the tiled 4-bit kernel's check and speed gate (and its check with the weights 2
-#                and 3 tiles ahead), and the same chain at 64, 24 and 8 rows aiming at 264 or
-#                528 thread blocks, the weights 1-3 tiles ahead, against the wide kernel and 16
-#                rows a call
+#                and 3 tiles ahead, and with 2 thread blocks an SM), and the same chain at 64,
+#                24 and 8 rows aiming at 264 or 528 thread blocks, each variant that agreed,
+#                against the wide kernel and 16 rows a call
 #   seed-steady  bench batch --steady at 1,4,8 on it: round ms, tok/s vs one, the phases, the
 #                op counts (COUNT), every output judged against plain greedy (near-tie verdicts);
 #                the tiled kernel's weights as far ahead as ran fastest in qmm-tiled
@@ -165,29 +165,36 @@ if not cuda.is_cuda():
     raise SystemExit(print(json.dumps({"skipped": "not on CUDA"})))
 verdict = c.tiled_verdict() or "ok"  # its check at 3 splittings, then faster than both rivals
 print(json.dumps({"tiled_verdict": verdict}), flush=True)
-for ahead in (2, 3):  # the weights 2 or 3 tiles ahead
-    result = c.check(c.tiled_blocks_qmm(None, ahead), c.TILED_SHAPES, rows=(2, 17, 64)) or "ok"
-    print(json.dumps({"ahead": ahead, "verdict": result}), flush=True)
-if verdict == "ok" or verdict.startswith("not faster"):
+variants = [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2)]  # (tiles ahead, blocks an SM)
+agreed = [(1, 1)] if verdict == "ok" or verdict.startswith("not faster") else []
+for ahead, resident in variants[1:]:
+    fn = c.tiled_blocks_qmm(None, ahead, resident)
+    result = c.check(fn, c.TILED_SHAPES, rows=(2, 17, 64)) or "ok"
+    print(json.dumps({"ahead": ahead, "resident": resident, "verdict": result}), flush=True)
+    if result == "ok":
+        agreed.append((ahead, resident))
+if agreed:
     for rows in (64, 24, 8):
         row = {"rows": rows, "split_ms": round(c.chain_ms(lambda x, *w: q.rows_qmm(x, *w, wide=False), rows=rows), 3)}
         if rows > q.MAX_ROWS:
             row["wide_ms"] = round(c.chain_ms(c.wide_groups_qmm(1), rows=rows), 3)
-        for blocks, ahead in ((264, 1), (528, 1), (264, 2), (264, 3), (528, 2)):
-            fn = c.tiled_blocks_qmm(blocks, ahead)
-            row[f"tiled_b{blocks}_a{ahead}_ms"] = round(c.chain_ms(fn, rows=rows), 3)
+        for blocks in (264, 528):
+            for ahead, resident in agreed if blocks == 264 else agreed[:1]:
+                fn = c.tiled_blocks_qmm(blocks, ahead, resident)
+                row[f"tiled_b{blocks}_a{ahead}_r{resident}_ms"] = round(c.chain_ms(fn, rows=rows), 3)
         print(json.dumps(row), flush=True)'
-# the seed steps below take the weights as many tiles ahead as ran fastest at 64 rows here
-ahead=$("$py" -c 'import json, sys
+# the seed steps below take the tiled kernel's weights as far ahead, and as many blocks an SM,
+# as ran fastest at 64 rows here (every variant timed passed its check)
+pick=$("$py" -c 'import json, re, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if "\"qmm-tiled\"" in l]
-ok = {1} | {l["ahead"] for l in lines if l.get("verdict") == "ok"}
 row = next((l for l in lines if l.get("rows") == 64), {})
-times = {a: row.get(f"tiled_b264_a{a}_ms") for a in ok}
-times = {a: t for a, t in times.items() if t}
-print(min(times, key=times.get) if times else "")' "$lines")
-if [ -n "$ahead" ]; then
-  export SANCTUM_QMM_TILED_AHEAD=$ahead
-  echo "SANCTUM_QMM_TILED_AHEAD=$ahead (fastest at 64 rows)" | tee -a "$out/steps.txt"
+times = {m.groups(): t for k, t in row.items() if (m := re.fullmatch(r"tiled_b264_a(\d)_r(\d)_ms", k))}
+print(*min(times, key=times.get) if times else "")' "$lines")
+if [ -n "$pick" ]; then
+  read -r ahead resident <<< "$pick"
+  export SANCTUM_QMM_TILED_AHEAD=$ahead SANCTUM_QMM_TILED_RESIDENT=$resident
+  echo "SANCTUM_QMM_TILED_AHEAD=$ahead SANCTUM_QMM_TILED_RESIDENT=$resident (fastest at 64 rows)" \
+    | tee -a "$out/steps.txt"
 fi
 pair=$("$py" -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if "\"build\"" in l and "target" in l]

@@ -155,6 +155,7 @@ DEVICE_PATHS = ("auto", "cpu", "cuda", "metal")
 QMM_WIDE_MODES = ("auto", "wide", "off")  # 17..64 rows: tiled or wide kernel | wide | 16 a call
 QMM_WIDE_GROUPS = (1, 2, 4)  # groups of 16 features a wide 4-bit kernel's thread block owns
 QMM_TILED_AHEAD = (1, 2, 3)  # tiles of weights a tiled 4-bit kernel's warp has in flight
+QMM_TILED_RESIDENT = (1, 2)  # thread blocks of the tiled 4-bit kernel an SM holds at once
 SHARED_ROLLBACKS = ("gather", "views", "rerun")
 CUDNN_FLAGS = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_CUDA_USE_CUDNN_SPDA")  # MLX's, older spelling too
 
@@ -174,6 +175,7 @@ class DeviceSettings:
     qmm_wide: str = var("SANCTUM_QMM_WIDE", "auto")  # QMM_WIDE_MODES (cuda._prepare_wide)
     qmm_wide_groups: int = var("SANCTUM_QMM_WIDE_GROUPS", 1, int)  # 16-feature groups a block
     qmm_tiled_ahead: int = var("SANCTUM_QMM_TILED_AHEAD", 1, int)  # weight tiles in flight
+    qmm_tiled_resident: int = var("SANCTUM_QMM_TILED_RESIDENT", 1, int)  # its blocks an SM
     draft_kernels: str = var("SANCTUM_DRAFT_KERNELS", "auto")  # off: MLX's ops on CUDA
     # how a shared verify through the GDN kernel is rolled back: gather | views | rerun (gdn.py)
     shared_rollback: str = var("SANCTUM_SHARED_ROLLBACK", "gather")
@@ -205,6 +207,11 @@ def device_settings(env: Env = os.environ) -> DeviceSettings:
     if s.qmm_tiled_ahead not in QMM_TILED_AHEAD:
         raise ValueError(
             f"SANCTUM_QMM_TILED_AHEAD must be one of {QMM_TILED_AHEAD}, got {s.qmm_tiled_ahead}"
+        )
+    if s.qmm_tiled_resident not in QMM_TILED_RESIDENT:
+        raise ValueError(
+            f"SANCTUM_QMM_TILED_RESIDENT must be one of {QMM_TILED_RESIDENT},"
+            f" got {s.qmm_tiled_resident}"
         )
     if s.shared_rollback not in SHARED_ROLLBACKS:
         raise ValueError(

@@ -5,6 +5,8 @@ kernel itself is checked on the GPU (test_cuda.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -302,3 +304,49 @@ def test_load_picks_the_tiled_kernel_then_the_wide_one(
     kernel = "tiled" if qmm_cuda.TILED else "wide" if qmm_cuda.WIDE else "split"
     assert kernel + ("+few" if qmm_cuda.TILED_FEW else "") == want
     assert seen == asked
+
+
+def test_two_resident_blocks_build_a_kernel_of_their_own(monkeypatch):
+    """`resident=2` launches a kernel built under its own name from a header that bounds its
+    registers (`__launch_bounds__` through the `__global__` that MLX writes), with the same
+    template and grid as the default one."""
+    built, launched = [], []
+
+    def fake_cuda_kernel(name, inputs, outputs, source, header=""):
+        built.append((name, header))
+
+        def kernel(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            launched.append((name, dict(template), grid))
+            return [mx.zeros(output_shapes[0], output_dtypes[0])]
+
+        return kernel
+
+    monkeypatch.setattr(qmm_cuda.build, "cuda_kernel", fake_cuda_kernel)
+    monkeypatch.setattr(qmm_cuda, "_kernels", {})
+    layer = _layer(n_in=640, n_out=256)
+    x = mx.random.normal((24, 640)).astype(mx.bfloat16)
+    qmm_cuda.tiled_qmm(x, *_weights(layer), 1)
+    qmm_cuda.tiled_qmm(x, *_weights(layer), 1, resident=2)
+    assert [b[0] for b in built] == ["sanctum_tiled_qmm", "sanctum_tiled_qmm_r2"]
+    assert "__launch_bounds__" not in built[0][1]
+    assert built[1][1].startswith(qmm_cuda.TILED_HEADER)
+    assert built[1][1].endswith(
+        "#undef __global__\n#define __global__ __location__(global) __launch_bounds__(256, 2)\n"
+    )
+    assert launched[0][1:] == launched[1][1:]
+
+
+def test_kernel_names_carry_their_sources_digest():
+    """MLX's PTX cache keys a built module by the kernel's name alone: every sanctum kernel's
+    name carries a digest of its source and header, so a changed kernel is built anew after an
+    upgrade, and no engine module builds one without it."""
+    from sanctum.engine.kernels import build
+
+    a = build.source_name("sanctum_k", "y[0] = x[0];", "// h")
+    assert a == build.source_name("sanctum_k", "y[0] = x[0];", "// h")
+    assert a.startswith("sanctum_k_")
+    assert a != build.source_name("sanctum_k", "y[0] = 2 * x[0];", "// h")
+    assert a != build.source_name("sanctum_k", "y[0] = x[0];", "// h2")
+    kernels = Path(build.__file__).parent
+    direct = [p.name for p in kernels.glob("*.py") if "fast.cuda_kernel(" in p.read_text()]
+    assert direct == ["build.py"]

@@ -204,9 +204,12 @@ def _prepare_wide() -> None:
     digest = hashlib.sha1(text.encode()).hexdigest()[:12]
     if mode == "auto":
         ahead = settings.device().qmm_tiled_ahead
+        resident = settings.device().qmm_tiled_resident
         qmm_cuda.TILED_AHEAD = _qmm["tiled_ahead"] = ahead
-        key = f"mlx {mx.__version__} qmm tiled {digest} G{groups} A{ahead}"
+        qmm_cuda.TILED_RESIDENT = _qmm["tiled_resident"] = resident
+        key = f"mlx {mx.__version__} qmm tiled {digest} G{groups} A{ahead} R{resident}"
         args = ["sanctum.engine.kernels.qmm_checks", "tiled", str(groups), str(ahead)]
+        args.append(str(resident))
         tiled = _child_verdict(key, args)
         _qmm["tiled"] = tiled or "ok"
         if tiled is None:

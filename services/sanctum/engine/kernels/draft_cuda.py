@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from . import build
 from .draft_reference import check_attention, check_conv
 from .draft_reference import reference_attention as reference_attention  # callers' stand-ins
 from .draft_reference import reference_conv as reference_conv
@@ -329,9 +330,9 @@ def block_attention(
     """The draft block's attention output [B, L, Hq * D] bf16 (before o_proj); CUDA only."""
     kernel = _kernels.get("attention")
     if kernel is None:
-        kernel = _kernels["attention"] = mx.fast.cuda_kernel(
-            name="sanctum_draft_attention",
-            input_names=[
+        kernel = _kernels["attention"] = build.cuda_kernel(
+            "sanctum_draft_attention",
+            [
                 "qkv",
                 "q_norm",
                 "k_norm",
@@ -342,9 +343,9 @@ def block_attention(
                 "inv_freq",
                 "consts",
             ],
-            output_names=["out"],
-            source=ATTENTION_SOURCE,
-            header=HEADER,
+            ["out"],
+            ATTENTION_SOURCE,
+            HEADER,
         )
     B, L, _ = qkv.shape
     Hq, Hk, D = spec.heads, spec.kv_heads, spec.head_dim
@@ -390,12 +391,8 @@ def dynamic_conv(
     """DFlash 2's dynamic convolution of `x` (+ `residual`): [B, L, H] bf16; CUDA only."""
     kernel = _kernels.get("conv")
     if kernel is None:
-        kernel = _kernels["conv"] = mx.fast.cuda_kernel(
-            name="sanctum_dynamic_conv",
-            input_names=["x", "dyn", "base", "residual"],
-            output_names=["out"],
-            source=CONV_SOURCE,
-            header=HEADER,
+        kernel = _kernels["conv"] = build.cuda_kernel(
+            "sanctum_dynamic_conv", ["x", "dyn", "base", "residual"], ["out"], CONV_SOURCE, HEADER
         )
     B, L, H = x.shape
     K = base.shape[1]

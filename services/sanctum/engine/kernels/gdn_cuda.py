@@ -16,6 +16,8 @@ import sys
 
 import mlx.core as mx
 
+from . import build
+
 # The row counts are a runtime input (steps: the rows the inputs hold, then the rows each
 # sequence runs), so one compiled kernel serves every block and rollback length; the head
 # shapes are template constants.
@@ -114,11 +116,11 @@ def gated_delta_cuda(
     and y past them is undefined."""
     kernel = _kernels.get(keep_rows)
     if kernel is None:
-        kernel = _kernels[keep_rows] = mx.fast.cuda_kernel(
-            name="sanctum_gated_delta_rows" if keep_rows else "sanctum_gated_delta",
-            input_names=["q", "k", "v", "g", "beta", "state_in", "steps"],
-            output_names=["y", "state_out"] + (["row_states"] if keep_rows else []),
-            source=SOURCES[keep_rows],
+        kernel = _kernels[keep_rows] = build.cuda_kernel(
+            "sanctum_gated_delta_rows" if keep_rows else "sanctum_gated_delta",
+            ["q", "k", "v", "g", "beta", "state_in", "steps"],
+            ["y", "state_out"] + (["row_states"] if keep_rows else []),
+            SOURCES[keep_rows],
         )
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]

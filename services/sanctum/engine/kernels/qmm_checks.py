@@ -94,10 +94,12 @@ def wide_verdict() -> str | None:
 TILED_SHAPES = ((256, 512), (1024, 1536), (272, 640))  # N not a multiple of 128, K of 5 tiles
 
 
-def tiled_blocks_qmm(blocks: int | None, ahead: int | None = None):
+def tiled_blocks_qmm(blocks: int | None, ahead: int | None = None, resident: int | None = None):
     """`tiled_qmm` aiming at `blocks` thread blocks (1: K in one split), the weights `ahead`
-    tiles ahead (a check's, a benchmark's)."""
-    return lambda x, w, scales, biases: qmm_cuda.tiled_qmm(x, w, scales, biases, blocks, ahead)
+    tiles ahead, `resident` blocks an SM (a check's, a benchmark's)."""
+    return lambda x, w, scales, biases: qmm_cuda.tiled_qmm(
+        x, w, scales, biases, blocks, ahead, resident
+    )
 
 
 def tiled_verdict() -> str | None:
@@ -142,11 +144,12 @@ def verdict() -> str | None:
 
 
 if __name__ == "__main__":  # engine/kernels/cuda.py runs the checks here, in a child process
-    kind = sys.argv[1] if len(sys.argv) > 1 else "few"  # few | wide G | tiled G A | tiled-few G A
+    kind = sys.argv[1] if len(sys.argv) > 1 else "few"  # few | wide G | tiled(-few) G A R
     if kind != "few":  # the wide kernel at the groups the parent will use
         qmm_cuda.WIDE_GROUPS = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    if kind.startswith("tiled"):  # ... and the tiled one with the weights as far ahead
-        qmm_cuda.TILED_AHEAD = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    if kind.startswith("tiled"):  # ... and the tiled one with the weights as far ahead, and
+        qmm_cuda.TILED_AHEAD = int(sys.argv[3]) if len(sys.argv) > 3 else 1  # as many blocks
+        qmm_cuda.TILED_RESIDENT = int(sys.argv[4]) if len(sys.argv) > 4 else 1  # an SM
     verdicts = {
         "few": verdict,
         "wide": wide_verdict,

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import fused
+from . import build, fused
 
 MAX_ROWS = 16
 WARPS = 8  # warps per thread block, splitting K
@@ -527,9 +527,7 @@ def _kernel(name: str, source: str, header: str, inputs: list[str]):
     """The mx.fast.cuda_kernel `name` (one output, y), built at its first use."""
     kernel = _kernels.get(name)
     if kernel is None:
-        kernel = _kernels[name] = mx.fast.cuda_kernel(
-            name=name, input_names=inputs, output_names=["y"], source=source, header=header
-        )
+        kernel = _kernels[name] = build.cuda_kernel(name, inputs, ["y"], source, header)
     return kernel
 
 
@@ -573,6 +571,21 @@ TILED_FEW = False
 # H100 or H200: fewer leave SMs idle, more add float32 sums to write and add)
 TILED_BLOCKS = 264
 TILED_AHEAD = 1  # tiles of weights a tiled warp has in flight ahead of its mmas (1, 2 or 3)
+# thread blocks of the tiled kernel an SM holds at once: with 2 the compiler keeps a thread to
+# 128 registers (`__launch_bounds__`), so that twice the warps have weights in flight
+TILED_RESIDENT = 1
+
+
+def tiled_header(resident: int) -> str:
+    """TILED_HEADER for `resident` thread blocks an SM. mx.fast.cuda_kernel writes the kernel's
+    signature itself, so the bound comes in through the `__global__` that it spells there (the
+    header is the last text before it)."""
+    if resident == 1:
+        return TILED_HEADER
+    return TILED_HEADER + (
+        "\n#undef __global__\n"
+        f"#define __global__ __location__(global) __launch_bounds__({32 * WARPS}, {resident})\n"
+    )
 
 
 def wide_qmm(
@@ -604,12 +617,15 @@ def tiled_qmm(
     biases: mx.array,
     blocks: int | None = None,
     ahead: int | None = None,
+    resident: int | None = None,
 ) -> mx.array:
     """`wide_qmm` by the tiled kernel: x [M, K] (2 <= M <= WIDE_ROWS) staged in shared
     memory, 128 features a thread block, K split for `blocks` thread blocks (`tiled_splits`),
-    the weights `ahead` (default TILED_AHEAD) tiles ahead; the splits' float32 sums added in
-    order by `sum_splits`."""
-    kernel = _kernel("sanctum_tiled_qmm", TILED_SOURCE, TILED_HEADER, [*OPERANDS, "dims"])
+    the weights `ahead` (default TILED_AHEAD) tiles ahead, `resident` (default TILED_RESIDENT)
+    blocks an SM; the splits' float32 sums added in order by `sum_splits`."""
+    resident = resident or TILED_RESIDENT
+    name = "sanctum_tiled_qmm" + ("" if resident == 1 else f"_r{resident}")
+    kernel = _kernel(name, TILED_SOURCE, tiled_header(resident), [*OPERANDS, "dims"])
     M, K = x.shape
     N = w.shape[0]
     splits = tiled_splits(K, N, blocks)
