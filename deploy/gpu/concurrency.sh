@@ -178,8 +178,8 @@ if agreed:
         row = {"rows": rows, "split_ms": round(c.chain_ms(lambda x, *w: q.rows_qmm(x, *w, wide=False), rows=rows), 3)}
         if rows > q.MAX_ROWS:
             row["wide_ms"] = round(c.chain_ms(c.wide_groups_qmm(1), rows=rows), 3)
-        for blocks in (264, 528):
-            for ahead, resident in agreed if blocks == 264 else agreed[:1]:
+        for blocks in (264, 528):  # every variant at 264 blocks and 24 or 64 rows
+            for ahead, resident in agreed if blocks == 264 and rows > 8 else agreed[:1]:
                 fn = c.tiled_blocks_qmm(blocks, ahead, resident)
                 row[f"tiled_b{blocks}_a{ahead}_r{resident}_ms"] = round(c.chain_ms(fn, rows=rows), 3)
         print(json.dumps(row), flush=True)'
