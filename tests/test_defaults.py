@@ -74,13 +74,3 @@ def test_tiled_kernel_holds_one_block_an_sm_unless_set():
     assert device_settings({"SANCTUM_QMM_TILED_RESIDENT": "2"}).qmm_tiled_resident == 2
     with pytest.raises(ValueError, match="SANCTUM_QMM_TILED_RESIDENT"):
         device_settings({"SANCTUM_QMM_TILED_RESIDENT": "3"})
-
-
-def test_wide_kernel_groups_are_one_unless_set(monkeypatch):
-    """SANCTUM_QMM_WIDE_GROUPS: 1 by default, 2 or 4 on request, anything else refused."""
-    from sanctum.settings import device_settings
-
-    assert device_settings({}).qmm_wide_groups == 1
-    assert device_settings({"SANCTUM_QMM_WIDE_GROUPS": "2"}).qmm_wide_groups == 2
-    with pytest.raises(ValueError, match="SANCTUM_QMM_WIDE_GROUPS"):
-        device_settings({"SANCTUM_QMM_WIDE_GROUPS": "3"})

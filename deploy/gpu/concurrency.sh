@@ -10,7 +10,7 @@
 # Steps, most important first, each under its own `timeout` (a hang costs that step only):
 #   build        the seed-shaped pair (bench seed --build-only; reused under SEED_DIR)
 #   qmm-wide     the wide 4-bit kernel's check and a chain of the seed's MLP products at 1..64
-#                rows: one wide call (16, 32 or 64 features a block), 16 rows a call, MLX's
+#                rows: one wide call, 16 rows a call, MLX's
 #   qmm-tiled    the tiled 4-bit kernel's check and speed gate (and its check with the weights 2
 #                and 3 tiles ahead, and with 2 thread blocks an SM), and the same chain at 64,
 #                24 and 8 rows aiming at 264 or 528 thread blocks, each variant that agreed,
@@ -32,8 +32,6 @@
 #                2..8 join, and the running streams' worst gap while a ~4K prompt is prefilled
 #   seed-wide    seed-steady's real levels again with SANCTUM_QMM_WIDE=wide (the wide kernel,
 #                not the tiled one that auto picks where it passed)
-#   seed-groups  seed-steady's real levels again with SANCTUM_QMM_WIDE=wide
-#                SANCTUM_QMM_WIDE_GROUPS=2
 #   seed-split   seed-steady's real levels again with SANCTUM_QMM_WIDE=off (16 rows a call)
 #   seed-trace   bench round-trace at 1,4,8 on it: each piece of a round timed and op-counted
 #   default-steady  the same as seed-steady on the default pair
@@ -142,13 +140,6 @@ if not cuda.is_cuda():
     raise SystemExit(print(json.dumps({"skipped": "not on CUDA"})))
 verdict = c.wide_verdict() or "ok"
 print(json.dumps({"wide_verdict": verdict}), flush=True)
-agreed = {}  # groups of 16 features a block that agree with MLX (x read half, a quarter as often)
-for g in (2, 4):
-    fn = c.wide_groups_qmm(g)
-    result = c.check(fn, rows=(17, 24, 33, 40, 57, 64)) or "ok"
-    print(json.dumps({"groups": g, "verdict": result}), flush=True)
-    if result == "ok":
-        agreed[g] = fn
 split = lambda x, *w: q.rows_qmm(x, *w, wide=False)
 for rows in (1, 8, 16, 24, 40, 64):
     row = {"rows": rows, "mlx_ms": round(c.chain_ms(q.reference, rows=rows), 3)}
@@ -156,8 +147,6 @@ for rows in (1, 8, 16, 24, 40, 64):
         row["split_ms"] = round(c.chain_ms(split, rows=rows), 3)
     if rows > q.MAX_ROWS and verdict == "ok":
         row["wide_ms"] = round(c.chain_ms(c.wide_rows_qmm, rows=rows), 3)
-    for g, fn in agreed.items() if rows > q.MAX_ROWS else ():
-        row[f"wide_g{g}_ms"] = round(c.chain_ms(fn, rows=rows), 3)
     print(json.dumps(row), flush=True)'
 step qmm-tiled 200 "$py" -c 'import json
 from sanctum.engine.kernels import cuda, qmm_checks as c, qmm_cuda as q
@@ -177,7 +166,7 @@ if agreed:
     for rows in (64, 24, 8):
         row = {"rows": rows, "split_ms": round(c.chain_ms(lambda x, *w: q.rows_qmm(x, *w, wide=False), rows=rows), 3)}
         if rows > q.MAX_ROWS:
-            row["wide_ms"] = round(c.chain_ms(c.wide_groups_qmm(1), rows=rows), 3)
+            row["wide_ms"] = round(c.chain_ms(c.wide_rows_qmm, rows=rows), 3)
         for blocks in (264, 528):  # every variant at 264 blocks and 24 or 64 rows
             for ahead, resident in agreed if blocks == 264 and rows > 8 else agreed[:1]:
                 fn = c.tiled_blocks_qmm(blocks, ahead, resident)
@@ -217,7 +206,6 @@ step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovi
 step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"
 if [ -n "$pair" ]; then
   step seed-wide 200 env SANCTUM_QMM_WIDE=wide "${seed_steady[@]}"
-  step seed-groups 200 env SANCTUM_QMM_WIDE=wide SANCTUM_QMM_WIDE_GROUPS=2 "${seed_steady[@]}"
   step seed-split 240 env SANCTUM_QMM_WIDE=off "${seed_steady[@]}"
   step seed-trace 150 "${bench[@]}" round-trace --model "$target" --drafter "$drafter" \
     --passes "$passes" --warm-rounds "$warm" --lines

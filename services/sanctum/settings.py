@@ -153,7 +153,6 @@ def cache_settings(
 
 DEVICE_PATHS = ("auto", "cpu", "cuda", "metal")
 QMM_WIDE_MODES = ("auto", "wide", "off")  # 17..64 rows: tiled or wide kernel | wide | 16 a call
-QMM_WIDE_GROUPS = (1, 2, 4)  # groups of 16 features a wide 4-bit kernel's thread block owns
 QMM_TILED_AHEAD = (1, 2, 3)  # tiles of weights a tiled 4-bit kernel's warp has in flight
 QMM_TILED_RESIDENT = (1, 2)  # thread blocks of the tiled 4-bit kernel an SM holds at once
 SHARED_ROLLBACKS = ("gather", "views", "rerun")
@@ -173,7 +172,6 @@ class DeviceSettings:
     qmm_kernel: str = var("SANCTUM_QMM_KERNEL", "auto")  # off: MLX's 4-bit matmul on CUDA
     qmm_split_rows: int = var("SANCTUM_QMM_SPLIT_ROWS", 64, int)  # most rows through it
     qmm_wide: str = var("SANCTUM_QMM_WIDE", "auto")  # QMM_WIDE_MODES (cuda._prepare_wide)
-    qmm_wide_groups: int = var("SANCTUM_QMM_WIDE_GROUPS", 1, int)  # 16-feature groups a block
     qmm_tiled_ahead: int = var("SANCTUM_QMM_TILED_AHEAD", 1, int)  # weight tiles in flight
     qmm_tiled_resident: int = var("SANCTUM_QMM_TILED_RESIDENT", 1, int)  # its blocks an SM
     draft_kernels: str = var("SANCTUM_DRAFT_KERNELS", "auto")  # off: MLX's ops on CUDA
@@ -200,10 +198,6 @@ def device_settings(env: Env = os.environ) -> DeviceSettings:
         raise ValueError(f"SANCTUM_DEVICE_PATH must be one of {DEVICE_PATHS}, got {s.path!r}")
     if s.qmm_wide not in QMM_WIDE_MODES:
         raise ValueError(f"SANCTUM_QMM_WIDE must be one of {QMM_WIDE_MODES}, got {s.qmm_wide!r}")
-    if s.qmm_wide_groups not in QMM_WIDE_GROUPS:
-        raise ValueError(
-            f"SANCTUM_QMM_WIDE_GROUPS must be one of {QMM_WIDE_GROUPS}, got {s.qmm_wide_groups}"
-        )
     if s.qmm_tiled_ahead not in QMM_TILED_AHEAD:
         raise ValueError(
             f"SANCTUM_QMM_TILED_AHEAD must be one of {QMM_TILED_AHEAD}, got {s.qmm_tiled_ahead}"

@@ -8,7 +8,6 @@ from argparse import Namespace
 
 import mlx.core as mx
 import pytest
-from sanctum import settings
 from sanctum.engine.kernels import cuda, draft_cuda, gdn_cuda, qmm_checks, qmm_cuda
 
 pytestmark = pytest.mark.skipif(not cuda.is_cuda(), reason="needs MLX's CUDA backend")
@@ -48,12 +47,10 @@ def test_few_row_qmm_kernel_matches_mlx():
     assert qmm_checks.check(shapes=((17408, 5120), (5120, 17408)), rows=(2, 8, 16)) is None
 
 
-@pytest.mark.parametrize("groups", settings.QMM_WIDE_GROUPS)
-def test_wide_qmm_kernel_matches_mlx(groups):
-    """The wide variant (17..64 rows in one call, 16, 32 or 64 features a thread block)
-    against MLX's quantized matmul, at a shared verify's row counts, its check's shapes and
-    the seed target's MLP shapes."""
-    fn = qmm_checks.wide_groups_qmm(groups)
+def test_wide_qmm_kernel_matches_mlx():
+    """The wide variant (17..64 rows in one call) against MLX's quantized matmul, at a shared
+    verify's row counts, its check's shapes and the seed target's MLP shapes."""
+    fn = qmm_checks.wide_rows_qmm
     assert qmm_checks.check(fn, rows=(17, 24, 33, 40, 57, 64)) is None
     shapes = ((17408, 5120), (5120, 17408))
     assert qmm_checks.check(fn, shapes=shapes, rows=(24, 64)) is None

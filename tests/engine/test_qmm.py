@@ -70,7 +70,7 @@ def test_with_the_wide_kernel_a_shared_verify_takes_one_call(monkeypatch):
     calls = []
 
     def standin(kind):
-        def fn(x, w, scales, biases, *_):  # (the wide kernel's groups)
+        def fn(x, w, scales, biases):
             calls.append((kind, x.shape[0]))
             return qmm_cuda.reference(x, w, scales, biases)
 
@@ -96,11 +96,11 @@ def test_with_the_wide_kernel_a_shared_verify_takes_one_call(monkeypatch):
 
 def test_with_the_tiled_kernel_a_shared_verify_takes_it(monkeypatch):
     """Once the tiled variant passed its check and gate (`TILED`), 17..64 rows go to it in one
-    call; a call naming the wide kernel's groups (a benchmark's) still gets the wide kernel."""
+    call; a call naming the wide kernel (its check's, a benchmark's) still gets the wide kernel."""
     calls = []
 
     def standin(kind):
-        def fn(x, w, scales, biases, *_):
+        def fn(x, w, scales, biases):
             calls.append((kind, x.shape[0]))
             return qmm_cuda.reference(x, w, scales, biases)
 
@@ -115,7 +115,7 @@ def test_with_the_tiled_kernel_a_shared_verify_takes_it(monkeypatch):
     for rows in (8, 17, 64, 65):
         layer(mx.random.normal((rows, 512)).astype(mx.bfloat16))
     assert calls == [("small", 8), ("tiled", 17), ("tiled", 64)]
-    qmm_checks.wide_groups_qmm(2)(mx.zeros((24, 512), mx.bfloat16), *_weights(layer))
+    qmm_checks.wide_rows_qmm(mx.zeros((24, 512), mx.bfloat16), *_weights(layer))
     assert calls[-1] == ("wide", 24)
     calls.clear()  # where it also beat the few-row kernel: a block of one sequence too
     monkeypatch.setattr(qmm_cuda, "TILED_FEW", True)
@@ -199,27 +199,6 @@ def test_tiled_wrapper_adds_the_splits_sums(monkeypatch):
     )
 
 
-def test_wide_groups_fall_back_where_they_do_not_divide_the_features(monkeypatch):
-    """A wide thread block owns WIDE_GROUPS groups of 16 features where they divide the
-    output features, else the most groups that do."""
-    seen = []
-
-    def launch(name, source, header, x, w, scales, biases, groups=0):
-        seen.append((w.shape[0], groups))
-        return qmm_cuda.reference(x, w, scales, biases)
-
-    monkeypatch.setattr(qmm_cuda, "_launch", launch)
-    monkeypatch.setattr(qmm_cuda, "WIDE_GROUPS", 4)
-    x = mx.random.normal((24, 512)).astype(mx.bfloat16)
-    for n_out in (64, 32, 16, 48):
-        layer = _layer(n_out=n_out)
-        y = qmm_cuda.wide_qmm(x, layer["weight"], layer["scales"], layer["biases"])
-        assert y.shape == (24, n_out)
-    assert seen == [(64, 4), (32, 2), (16, 1), (48, 1)]
-    qmm_checks.wide_groups_qmm(2)(x, layer["weight"], layer["scales"], layer["biases"])
-    assert seen[-1] == (48, 1)  # asked for 2: 48 features take 1
-
-
 def test_check_accepts_the_reference_and_catches_a_bad_kernel():
     assert qmm_checks.check(qmm_cuda.reference) is None
 
@@ -293,11 +272,13 @@ def test_load_picks_the_tiled_kernel_then_the_wide_one(
 
     def child_verdict(key, args):
         seen.append(args[1])
+        # the child's argv as qmm_checks' __main__ reads it: KIND, then the tiled kernel's A R
+        assert args[2:] == (["1", "1"] if args[1].startswith("tiled") else [])
         return {"tiled": tiled, "tiled-few": few, "wide": wide}[args[1]]
 
     monkeypatch.setattr(cuda, "_child_verdict", child_verdict)
-    flags = ("WIDE", False), ("TILED", False), ("TILED_FEW", False), ("WIDE_GROUPS", 1)
-    for name, value in (*flags, ("TILED_AHEAD", 1)):
+    flags = ("WIDE", False), ("TILED", False), ("TILED_FEW", False), ("TILED_AHEAD", 1)
+    for name, value in (*flags, ("TILED_RESIDENT", 1)):
         monkeypatch.setattr(qmm_cuda, name, value)
     with settings.use_device(settings.device_settings({"SANCTUM_QMM_WIDE": mode})):
         cuda._prepare_wide()

@@ -196,8 +196,6 @@ def _prepare_wide() -> None:
     if mode == "off":
         _qmm["wide"] = "off (SANCTUM_QMM_WIDE=off)"
         return
-    groups = settings.device().qmm_wide_groups
-    qmm_cuda.WIDE_GROUPS = _qmm["wide_groups"] = groups
     # the gates time these kernels against each other: a verdict holds for all their sources
     sources = ("HEADER", "SOURCE", "WIDE_HEADER", "WIDE_SOURCE", "TILED_HEADER", "TILED_SOURCE")
     text = "".join(getattr(qmm_cuda, name) for name in (*sources, "SUM_SOURCE"))
@@ -207,9 +205,8 @@ def _prepare_wide() -> None:
         resident = settings.device().qmm_tiled_resident
         qmm_cuda.TILED_AHEAD = _qmm["tiled_ahead"] = ahead
         qmm_cuda.TILED_RESIDENT = _qmm["tiled_resident"] = resident
-        key = f"mlx {mx.__version__} qmm tiled {digest} G{groups} A{ahead} R{resident}"
-        args = ["sanctum.engine.kernels.qmm_checks", "tiled", str(groups), str(ahead)]
-        args.append(str(resident))
+        key = f"mlx {mx.__version__} qmm tiled {digest} A{ahead} R{resident}"
+        args = ["sanctum.engine.kernels.qmm_checks", "tiled", str(ahead), str(resident)]
         tiled = _child_verdict(key, args)
         _qmm["tiled"] = tiled or "ok"
         if tiled is None:
@@ -220,8 +217,8 @@ def _prepare_wide() -> None:
             _qmm["tiled_few"] = few or "ok"  # 2..16 rows through it too
             return
         log.warning("tiled 4-bit matmul kernel not used: %s", tiled)
-    key = f"mlx {mx.__version__} qmm wide {digest} G{groups}"
-    result = _child_verdict(key, ["sanctum.engine.kernels.qmm_checks", "wide", str(groups)])
+    key = f"mlx {mx.__version__} qmm wide {digest}"
+    result = _child_verdict(key, ["sanctum.engine.kernels.qmm_checks", "wide"])
     _qmm["wide"] = result or "ok"
     qmm_cuda.WIDE = result is None
     if result is not None:

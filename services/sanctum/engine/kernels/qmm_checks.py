@@ -74,11 +74,6 @@ def wide_rows_qmm(x: mx.array, w, scales, biases) -> mx.array:
     return qmm_cuda.rows_qmm(x, w, scales, biases, wide=True)
 
 
-def wide_groups_qmm(groups: int):
-    """`wide_rows_qmm` with `groups` groups of 16 features a thread block (a benchmark's)."""
-    return lambda x, w, scales, biases: qmm_cuda.rows_qmm(x, w, scales, biases, True, groups)
-
-
 def wide_verdict() -> str | None:
     """`check` of the wide kernel at 17..WIDE_ROWS rows, then its speed gate: used only where
     WIDE_ROWS rows in one call beat MAX_ROWS rows a call (a chain of MLP-shaped products)."""
@@ -104,14 +99,14 @@ def tiled_blocks_qmm(blocks: int | None, ahead: int | None = None, resident: int
 
 def tiled_verdict() -> str | None:
     """`check` of the tiled kernel (the weights TILED_AHEAD tiles ahead) at 2..WIDE_ROWS rows,
-    K whole and split, then its speed gate: used only where it beats both the wide kernel (at
-    WIDE_GROUPS) and MAX_ROWS rows a call at WIDE_ROWS rows."""
+    K whole and split, then its speed gate: used only where it beats both the wide kernel and
+    MAX_ROWS rows a call at WIDE_ROWS rows."""
     for blocks in (1, 24, None):
         fn = tiled_blocks_qmm(blocks)
         if (result := check(fn, TILED_SHAPES, rows=(2, 17, 24, 33, 40, 57, 64))) is not None:
             return f"blocks={blocks or qmm_cuda.TILED_BLOCKS}: {result}"
     ours = chain_ms(tiled_blocks_qmm(None), rows=qmm_cuda.WIDE_ROWS)
-    wide = chain_ms(wide_groups_qmm(qmm_cuda.WIDE_GROUPS), rows=qmm_cuda.WIDE_ROWS)
+    wide = chain_ms(wide_rows_qmm, rows=qmm_cuda.WIDE_ROWS)
     split = chain_ms(lambda x, *wq: qmm_cuda.rows_qmm(x, *wq, wide=False), rows=qmm_cuda.WIDE_ROWS)
     if not ours < 0.95 * min(wide, split):
         return (
@@ -144,12 +139,10 @@ def verdict() -> str | None:
 
 
 if __name__ == "__main__":  # engine/kernels/cuda.py runs the checks here, in a child process
-    kind = sys.argv[1] if len(sys.argv) > 1 else "few"  # few | wide G | tiled(-few) G A R
-    if kind != "few":  # the wide kernel at the groups the parent will use
-        qmm_cuda.WIDE_GROUPS = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    if kind.startswith("tiled"):  # ... and the tiled one with the weights as far ahead, and
-        qmm_cuda.TILED_AHEAD = int(sys.argv[3]) if len(sys.argv) > 3 else 1  # as many blocks
-        qmm_cuda.TILED_RESIDENT = int(sys.argv[4]) if len(sys.argv) > 4 else 1  # an SM
+    kind = sys.argv[1] if len(sys.argv) > 1 else "few"  # few | wide | tiled(-few) A R
+    if kind.startswith("tiled"):  # the weights as far ahead, as many blocks an SM as the parent's
+        qmm_cuda.TILED_AHEAD = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+        qmm_cuda.TILED_RESIDENT = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     verdicts = {
         "few": verdict,
         "wide": wide_verdict,

@@ -255,35 +255,29 @@ _kernels: dict[str, object] = {}  # name -> the built mx.fast.cuda_kernel
 # the same mmas, but the x rows are read inside a tile's loop, one 16-byte word of each 8-row
 # tile at a time, instead of all of them ahead (8 row tiles of prefetched x would not fit a
 # thread's registers); the weights, prefetched a tile ahead, are read once for all the rows.
-# A thread block owns G groups of 16 features: each x word a lane loads serves the G groups'
-# mmas, so x, which every block reads whole, is read N / (16 G) times instead of N / 16 (at
-# 64 rows x is 16 times the bytes of the weights it meets). The blocks' sums are reduced one
-# group at a time through the same shared buffer.
 WIDE_HEADER = (
     HEADER
     + """
-// The tile's weights of G groups of 16 features (rows n0 + 16 j + g and + 8 of group j).
-template <int K, int G, typename WP, typename SP>
-__device__ __forceinline__ void sanctum_load_groups(
-    SanctumWeights (&q)[G], int k, int n0, int g, WP w, SP scales, SP biases) {
-  #pragma unroll
-  for (int j = 0; j < G; ++j) {
-    const size_t na = n0 + 16 * j + g, nb = na + 8;
-    sanctum_load_weights(
-        q[j], k, reinterpret_cast<const uint4*>(w + na * (K / 8)),
-        reinterpret_cast<const uint4*>(w + nb * (K / 8)),
-        reinterpret_cast<const uint16_t*>(scales + na * (K / 64)),
-        reinterpret_cast<const uint16_t*>(scales + nb * (K / 64)),
-        reinterpret_cast<const uint16_t*>(biases + na * (K / 64)),
-        reinterpret_cast<const uint16_t*>(biases + nb * (K / 64)));
-  }
+// The tile's weights of the block's 16 features (rows n0 + g and n0 + g + 8), addressed at
+// each load (not once ahead, as the few-row kernel is): the PTX the wide kernel was timed with.
+template <int K, typename WP, typename SP>
+__device__ __forceinline__ void sanctum_load_wide(
+    SanctumWeights& q, int k, int n0, int g, WP w, SP scales, SP biases) {
+  const size_t na = n0 + g, nb = na + 8;
+  sanctum_load_weights(
+      q, k, reinterpret_cast<const uint4*>(w + na * (K / 8)),
+      reinterpret_cast<const uint4*>(w + nb * (K / 8)),
+      reinterpret_cast<const uint16_t*>(scales + na * (K / 64)),
+      reinterpret_cast<const uint16_t*>(scales + nb * (K / 64)),
+      reinterpret_cast<const uint16_t*>(biases + na * (K / 64)),
+      reinterpret_cast<const uint16_t*>(biases + nb * (K / 64)));
 }
 
 // sanctum_mma_tile's mmas with x read here: for each of the lane's 4 words of 8 k, the word of
-// every row tile, then their mmas with each group's weights.
-template <int M, int K, int NT, int G, typename XP>
-__device__ __forceinline__ void sanctum_mma_groups(
-    const SanctumWeights (&q)[G], int k, int g, XP x, float (&c)[G][NT][4]) {
+// every row tile, then their mmas.
+template <int M, int K, int NT, typename XP>
+__device__ __forceinline__ void sanctum_mma_wide(
+    const SanctumWeights& q, int k, int g, XP x, float (&c)[NT][4]) {
   #pragma unroll
   for (int i = 0; i < 4; ++i) {
     uint4 xs[NT];
@@ -293,12 +287,8 @@ __device__ __forceinline__ void sanctum_mma_groups(
       xs[h] = m < M ? reinterpret_cast<const uint4*>(x + (size_t)m * K + k)[i]
                     : make_uint4(0u, 0u, 0u, 0u);
     }
-    #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      sanctum_mma_word<NT>(
-          sanctum_word(q[j].qa, i), sanctum_word(q[j].qb, i), q[j].sa, q[j].sb, q[j].ba,
-          q[j].bb, xs, c[j]);
-    }
+    sanctum_mma_word<NT>(
+        sanctum_word(q.qa, i), sanctum_word(q.qb, i), q.sa, q.sb, q.ba, q.bb, xs, c);
   }
 }
 """
@@ -307,39 +297,26 @@ __device__ __forceinline__ void sanctum_mma_groups(
 WIDE_SOURCE = (
     SOURCE_INDICES
     + """
-    const int n0 = blockIdx.y * 16 * G;
-    float c[G][NT][4];
+    const int n0 = blockIdx.y * 16;
+    float c[NT][4];
     #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      #pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        c[j][h][0] = c[j][h][1] = c[j][h][2] = c[j][h][3] = 0.0f;
-      }
+    for (int h = 0; h < NT; ++h) {
+      c[h][0] = c[h][1] = c[h][2] = c[h][3] = 0.0f;
     }
-    SanctumWeights cur[G], nxt[G];
+    SanctumWeights cur, nxt;
     int tile = warp;
     if (tile < TILES) {
-      sanctum_load_groups<K, G>(cur, tile * 128 + 32 * t, n0, g, w, scales, biases);
+      sanctum_load_wide<K>(cur, tile * 128 + 32 * t, n0, g, w, scales, biases);
     }
     for (; tile < TILES; tile += WARPS) {
       if (tile + WARPS < TILES) {
-        sanctum_load_groups<K, G>(nxt, (tile + WARPS) * 128 + 32 * t, n0, g, w, scales, biases);
+        sanctum_load_wide<K>(nxt, (tile + WARPS) * 128 + 32 * t, n0, g, w, scales, biases);
       }
-      sanctum_mma_groups<M, K, NT, G>(cur, tile * 128 + 32 * t, g, x, c);
-      #pragma unroll
-      for (int j = 0; j < G; ++j) {
-        cur[j] = nxt[j];
-      }
-    }
-    __shared__ float red[WARPS][NT * 4][32];
-    #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      if (j > 0) {
-        __syncthreads();  // warp 0 has read the group before
-      }
-      sanctum_reduce_store<M, N, NT, WARPS>(c[j], red, warp, lane, n0 + 16 * j, y);
+      sanctum_mma_wide<M, K, NT>(cur, tile * 128 + 32 * t, g, x, c);
+      cur = nxt;
     }
 """
+    + SOURCE_TAIL
 )
 
 
@@ -536,22 +513,16 @@ def _operands(x: mx.array, w, scales, biases) -> list[mx.array]:
     return [mx.view(x, mx.uint16), w, mx.view(scales, mx.uint16), mx.view(biases, mx.uint16)]
 
 
-def _launch(
-    name: str, source: str, header: str, x: mx.array, w, scales, biases, groups: int = 0
-) -> mx.array:
+def _launch(name: str, source: str, header: str, x: mx.array, w, scales, biases) -> mx.array:
     """Run kernel `name` (built from `source` and `header` at its first call) on x [M, K]:
-    a thread block per FEATURES output features (per `groups` * FEATURES where the kernel
-    takes a G), WARPS warps splitting K."""
+    a thread block per FEATURES output features, WARPS warps splitting K."""
     kernel = _kernel(name, source, header, OPERANDS)
     M, K = x.shape
     N = w.shape[0]
-    template = [("M", M), ("K", K), ("N", N), ("WARPS", WARPS)]
-    if groups:
-        template.append(("G", groups))
     (y,) = kernel(
         inputs=_operands(x, w, scales, biases),
-        template=template,
-        grid=(32, WARPS * (N // (FEATURES * max(1, groups))), 1),
+        template=[("M", M), ("K", K), ("N", N), ("WARPS", WARPS)],
+        grid=(32, WARPS * (N // FEATURES), 1),
         threadgroup=(32, WARPS, 1),
         output_shapes=[(M, N)],
         output_dtypes=[mx.uint16],
@@ -561,7 +532,6 @@ def _launch(
 
 WIDE_ROWS = 64  # the most rows `wide_qmm` (and `tiled_qmm`) takes in one call
 WIDE = False  # rows_qmm sends 17..WIDE_ROWS rows to wide_qmm: set by cuda.prepare_linear
-WIDE_GROUPS = 1  # groups of 16 features a wide thread block owns (SANCTUM_QMM_WIDE_GROUPS)
 TILED = False  # ... to tiled_qmm instead: set by cuda.prepare_linear
 # 2..MAX_ROWS rows (a verify block of one sequence, a draft head) to tiled_qmm too: set where it
 # beat the few-row kernel at 8 rows (then a row's result is the same bits in a block of one
@@ -588,16 +558,10 @@ def tiled_header(resident: int) -> str:
     )
 
 
-def wide_qmm(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, groups: int | None = None
-) -> mx.array:
+def wide_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
     """`small_qmm` for x [M, K] of MAX_ROWS < M <= WIDE_ROWS rows, in one call (the weights
-    read once for all of them), `groups` (default WIDE_GROUPS) groups of 16 features a thread
-    block, fewer where they do not divide the features."""
-    groups = groups or WIDE_GROUPS
-    while w.shape[0] % (FEATURES * groups):
-        groups //= 2
-    return _launch("sanctum_wide_qmm", WIDE_SOURCE, WIDE_HEADER, x, w, scales, biases, groups)
+    read once for all of them)."""
+    return _launch("sanctum_wide_qmm", WIDE_SOURCE, WIDE_HEADER, x, w, scales, biases)
 
 
 def tiled_splits(K: int, N: int, blocks: int | None = None) -> int:
@@ -727,23 +691,21 @@ def _through_kernel(x: mx.array, w, scales, biases) -> mx.array | None:
 SPLIT_ROWS = 64  # SANCTUM_QMM_SPLIT_ROWS, set by cuda.prepare_linear
 
 
-def rows_qmm(
-    x: mx.array, w, scales, biases, wide: bool | None = None, groups: int | None = None
-) -> mx.array:
+def rows_qmm(x: mx.array, w, scales, biases, wide: bool | None = None) -> mx.array:
     """`small_qmm` for x [M, K] of 2..SPLIT_ROWS rows: MAX_ROWS rows a call (a last call of one
     row borrows one from the call before: the kernel takes 2 or more), or with `wide` (default
     WIDE) up to WIDE_ROWS rows in one call: `tiled_qmm`'s where TILED (and up to MAX_ROWS too
-    where TILED_FEW), else `wide_qmm`'s (`groups`: its groups of features). A caller that names
-    `wide` or `groups` (a check, a benchmark) gets the kernel it names."""
+    where TILED_FEW), else `wide_qmm`'s. A caller that names `wide` (a check, a benchmark) gets
+    the kernel it names: True the wide one past MAX_ROWS rows, False MAX_ROWS rows a call."""
     rows = x.shape[0]
     if rows <= MAX_ROWS:
         if TILED_FEW and wide is None:
             return tiled_qmm(x, w, scales, biases)
         return small_qmm(x, w, scales, biases)
     if (WIDE if wide is None else wide) and rows <= WIDE_ROWS:
-        if TILED and groups is None:
+        if TILED and wide is None:
             return tiled_qmm(x, w, scales, biases)
-        return wide_qmm(x, w, scales, biases, groups)
+        return wide_qmm(x, w, scales, biases)
     cuts = list(range(0, rows, MAX_ROWS)) + [rows]
     if cuts[-1] - cuts[-2] == 1:
         cuts[-2] -= 1
