@@ -35,17 +35,17 @@
 #   seed-split   seed-steady's real levels again with SANCTUM_QMM_WIDE=off (16 rows a call)
 #   seed-trace   bench round-trace at 1,4,8 on it: each piece of a round timed and op-counted
 #   default-steady  the same as seed-steady on the default pair
-# MLX builds its CUDA kernels at first use (~150 s on a fresh machine, more than a step's
-# limit for the seed's batched levels), kept under MLX_PTX_CACHE_DIR for later runs; after each
-# step the caches (that folder, and the driver's ~/.nv/ComputeCache) are packed into
-# $OUT/cuda-ptx.tar.xz.NN and $OUT/cuda-nv.tar.xz.NN, and KERNEL_CACHE=DIR unpacks those from an
-# earlier machine's run before the first step (a fresh machine then starts with built
-# kernels). A step starts only while DEADLINE (default 530) seconds
+# MLX builds its own CUDA kernels at first use, kept under MLX_PTX_CACHE_DIR for later runs;
+# sanctum's kernels are kept under $SANCTUM_HOME/cuda-builds (engine/kernels/build.py). After
+# each step both are packed into $OUT/cuda-ptx.tar.xz.NN and $OUT/cuda-builds.tar.xz.NN, and
+# KERNEL_CACHE=DIR unpacks those from an earlier machine's run before the first step (a fresh
+# machine then starts with built kernels). A step starts only while DEADLINE (default 530) seconds
 # have not passed. QUICK=1 shrinks everything (the small seed shape at 2 layers, few rounds):
 # a smoke run on a CPU. Knobs: SEED_LAYERS (default 64: the seed's depth), SEED_DIR, PYTHON,
 # DEADLINE, ROUNDS (timed steady rounds), WARM (untimed rounds), COUNT (rounds with their ops
 # counted; 0 on a GPU by default: the counts do not depend on the device), STEPS (the steps to
-# run, by name, space-separated; default all: a second call can run what the first did not reach).
+# run, by name, space-separated, in that order; default all: a second call can run what the
+# first did not reach).
 set -uo pipefail
 out=${1:-${OUT:-/tmp/sanctum-concurrency}}
 py=${PYTHON:-python3}
@@ -97,13 +97,14 @@ step() {  # step NAME SECONDS COMMAND...: at most SECONDS (and the deadline)
 
 # The kernel caches into $OUT when they grew: what comes back from a lent machine is at most 8
 # files of at most 16 MiB, so a pack is cut into 15 MiB pieces (NAME.tar.xz.00, .01, ...), at
-# most 3 of the driver's cache (a bigger one is dropped, and said so)
+# most 3 (a bigger one is dropped, and said so)
 packed=""
+builds_dir=${SANCTUM_HOME:-$HOME/.cache/sanctum}/cuda-builds  # sanctum's kernels (kernels/build.py)
 pack_kernels() {
   local dir name now pieces
-  for dir in "$MLX_PTX_CACHE_DIR" "$HOME/.nv/ComputeCache"; do
+  for dir in "$MLX_PTX_CACHE_DIR" "$builds_dir"; do
     [ -d "$dir" ] || continue
-    name=cuda-ptx; [ "$dir" = "$MLX_PTX_CACHE_DIR" ] || name=cuda-nv
+    name=cuda-ptx; [ "$dir" = "$builds_dir" ] && name=cuda-builds
     now="$name:$(find "$dir" -type f | wc -l)"
     case " $packed $name:0 " in *" $now "*) continue ;; esac  # as packed last time, or empty
     rm -f "$out/$name.tar.xz."*
@@ -117,9 +118,9 @@ pack_kernels() {
   done
 }
 if [ -n "${KERNEL_CACHE:-}" ]; then
-  mkdir -p "$MLX_PTX_CACHE_DIR" "$HOME/.nv/ComputeCache"
-  for name in cuda-ptx cuda-nv; do
-    dir=$MLX_PTX_CACHE_DIR; [ "$name" = cuda-ptx ] || dir=$HOME/.nv/ComputeCache
+  mkdir -p "$MLX_PTX_CACHE_DIR" "$builds_dir"
+  for name in cuda-ptx cuda-builds; do
+    dir=$MLX_PTX_CACHE_DIR; [ "$name" = cuda-builds ] && dir=$builds_dir
     ls "$KERNEL_CACHE/$name.tar.xz."* > /dev/null 2>&1 || continue
     cat "$KERNEL_CACHE/$name.tar.xz."* | xz -dc | tar -C "$dir" -xf -
   done
@@ -131,10 +132,13 @@ print(json.dumps({"python": sys.version.split()[0], "mlx": mx.__version__,
                   "device": str(mx.default_device()), "mlx_lm": mlx_lm.__version__}))' \
   | "${tag[@]}" env >> "$lines"
 
-STEPS=${STEPS:-}
-[ -z "$STEPS" ] || case " $STEPS " in *" seed-"*) STEPS="$STEPS build" ;; esac
-step build 300 "${bench[@]}" seed --build-only --json --dir "$seed_dir" "${seed_args[@]}"
-step qmm-wide 200 "$py" -c 'import json
+# Each step is a function s_NAME (dashes as underscores); they run in the order STEPS names them
+# (default: the order below), a seed step after the seed's build.
+s_build() {
+  step build 300 "${bench[@]}" seed --build-only --json --dir "$seed_dir" "${seed_args[@]}"
+}
+s_qmm_wide() {
+  step qmm-wide 200 "$py" -c 'import json
 from sanctum.engine.kernels import cuda, qmm_checks as c, qmm_cuda as q
 if not cuda.is_cuda():
     raise SystemExit(print(json.dumps({"skipped": "not on CUDA"})))
@@ -148,7 +152,9 @@ for rows in (1, 8, 16, 24, 40, 64):
     if rows > q.MAX_ROWS and verdict == "ok":
         row["wide_ms"] = round(c.chain_ms(c.wide_rows_qmm, rows=rows), 3)
     print(json.dumps(row), flush=True)'
-step qmm-tiled 200 "$py" -c 'import json
+}
+s_qmm_tiled() {
+  step qmm-tiled 200 "$py" -c 'import json
 from sanctum.engine.kernels import cuda, qmm_checks as c, qmm_cuda as q
 if not cuda.is_cuda():
     raise SystemExit(print(json.dumps({"skipped": "not on CUDA"})))
@@ -172,43 +178,63 @@ if agreed:
                 fn = c.tiled_blocks_qmm(blocks, ahead, resident)
                 row[f"tiled_b{blocks}_a{ahead}_r{resident}_ms"] = round(c.chain_ms(fn, rows=rows), 3)
         print(json.dumps(row), flush=True)'
-# the seed steps below take the tiled kernel's weights as far ahead, and as many blocks an SM,
-# as ran fastest at 64 rows here (every variant timed passed its check)
-pick=$("$py" -c 'import json, re, sys
+  # the seed steps after it take the tiled kernel's weights as far ahead, and as many blocks
+  # an SM, as ran fastest at 64 rows here (every variant timed passed its check)
+  local pick ahead resident
+  pick=$("$py" -c 'import json, re, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if "\"qmm-tiled\"" in l]
 row = next((l for l in lines if l.get("rows") == 64), {})
 times = {m.groups(): t for k, t in row.items() if (m := re.fullmatch(r"tiled_b264_a(\d)_r(\d)_ms", k))}
 print(*min(times, key=times.get) if times else "")' "$lines")
-if [ -n "$pick" ]; then
-  read -r ahead resident <<< "$pick"
-  export SANCTUM_QMM_TILED_AHEAD=$ahead SANCTUM_QMM_TILED_RESIDENT=$resident
-  echo "SANCTUM_QMM_TILED_AHEAD=$ahead SANCTUM_QMM_TILED_RESIDENT=$resident (fastest at 64 rows)" \
-    | tee -a "$out/steps.txt"
-fi
-pair=$("$py" -c 'import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if "\"build\"" in l and "target" in l]
-print(rows[-1]["target"], rows[-1]["drafter"]) if rows else None' "$lines")
+  if [ -n "$pick" ]; then
+    read -r ahead resident <<< "$pick"
+    export SANCTUM_QMM_TILED_AHEAD=$ahead SANCTUM_QMM_TILED_RESIDENT=$resident
+    echo "SANCTUM_QMM_TILED_AHEAD=$ahead SANCTUM_QMM_TILED_RESIDENT=$resident (fastest at 64 rows)" \
+      | tee -a "$out/steps.txt"
+  fi
+}
 steady=(--steady "$rounds" --warm-rounds "$warm" --phases "$phases" --concurrency 1,4,8 --lines --json)
 [ "$count" -gt 0 ] && steady+=(--count-ops "$count")
-if [ -n "$pair" ]; then
+seed_pair() {  # target and drafter of the seed step's build; false where it made none
+  local pair
+  pair=$("$py" -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if "\"build\"" in l and "target" in l]
+print(rows[-1]["target"], rows[-1]["drafter"]) if rows else None' "$lines")
+  [ -n "$pair" ] || return 1
   read -r target drafter <<< "$pair"
   seed_steady=("${bench[@]}" batch --model "$target" --drafter "$drafter" "${steady[@]}")
-  step seed-steady 240 "${seed_steady[@]}"
-  step seed-rerun 200 env SANCTUM_SHARED_ROLLBACK=rerun "${seed_steady[@]}"
-  step seed-views 200 env SANCTUM_SHARED_ROLLBACK=views "${seed_steady[@]}"
-  step seed-tau5 200 "${seed_steady[@]}" --force-tau 5
-fi
-step default-served 150 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm --repeats 3 --json
-cuda_tests=(tests/engine/test_cuda.py tests/engine/test_lookup.py tests/engine/test_batch_rounds.py)
-# (pytest's report is not JSON: it goes to stderr.txt)
-step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovider -rf \
-  -k "not cluster and not scheduler" "${cuda_tests[@]}"
-step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"
-if [ -n "$pair" ]; then
-  step seed-wide 200 env SANCTUM_QMM_WIDE=wide "${seed_steady[@]}"
-  step seed-split 240 env SANCTUM_QMM_WIDE=off "${seed_steady[@]}"
-  step seed-trace 150 "${bench[@]}" round-trace --model "$target" --drafter "$drafter" \
-    --passes "$passes" --warm-rounds "$warm" --lines
-fi
-step default-steady 120 "${bench[@]}" batch "${steady[@]}"
+}
+s_seed_steady() { seed_pair && step seed-steady 240 "${seed_steady[@]}"; }
+s_seed_rerun() { seed_pair && step seed-rerun 200 env SANCTUM_SHARED_ROLLBACK=rerun "${seed_steady[@]}"; }
+s_seed_views() { seed_pair && step seed-views 200 env SANCTUM_SHARED_ROLLBACK=views "${seed_steady[@]}"; }
+s_seed_tau5() { seed_pair && step seed-tau5 200 "${seed_steady[@]}" --force-tau 5; }
+s_default_served() {
+  step default-served 150 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm \
+    --repeats 3 --json
+}
+s_cuda_tests() {  # (pytest's report is not JSON: it goes to stderr.txt)
+  local cuda_tests=(tests/engine/test_cuda.py tests/engine/test_lookup.py tests/engine/test_batch_rounds.py)
+  step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovider -rf \
+    -k "not cluster and not scheduler" "${cuda_tests[@]}"
+}
+s_default_gaps() { step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"; }
+s_seed_wide() { seed_pair && step seed-wide 200 env SANCTUM_QMM_WIDE=wide "${seed_steady[@]}"; }
+s_seed_split() { seed_pair && step seed-split 240 env SANCTUM_QMM_WIDE=off "${seed_steady[@]}"; }
+s_seed_trace() {
+  seed_pair && step seed-trace 150 "${bench[@]}" round-trace --model "$target" \
+    --drafter "$drafter" --passes "$passes" --warm-rounds "$warm" --lines
+}
+s_default_steady() { step default-steady 120 "${bench[@]}" batch "${steady[@]}"; }
+
+ALL="build qmm-wide qmm-tiled seed-steady seed-rerun seed-views seed-tau5 default-served cuda-tests
+default-gaps seed-wide seed-split seed-trace default-steady"
+STEPS=$(echo ${STEPS:-$ALL})
+case " $STEPS " in *" seed-"*) case " $STEPS " in *" build "*) ;; *) STEPS="build $STEPS" ;; esac ;; esac
+for name in $STEPS; do
+  if declare -F "s_${name//-/_}" > /dev/null; then
+    "s_${name//-/_}"
+  else
+    echo "{\"step\": \"$name\", \"skipped\": \"no such step\"}" >> "$lines"
+  fi
+done
 echo "figures: $lines"

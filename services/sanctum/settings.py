@@ -156,6 +156,7 @@ QMM_WIDE_MODES = ("auto", "wide", "off")  # 17..64 rows: tiled or wide kernel | 
 QMM_TILED_AHEAD = (1, 2, 3)  # tiles of weights a tiled 4-bit kernel's warp has in flight
 QMM_TILED_RESIDENT = (1, 2)  # thread blocks of the tiled 4-bit kernel an SM holds at once
 SHARED_ROLLBACKS = ("gather", "views", "rerun")
+CUDA_BUILDS = ("cache", "mlx")  # sanctum's CUDA kernels: built once and kept | built by MLX
 CUDNN_FLAGS = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_CUDA_USE_CUDNN_SPDA")  # MLX's, older spelling too
 
 
@@ -175,6 +176,9 @@ class DeviceSettings:
     qmm_tiled_ahead: int = var("SANCTUM_QMM_TILED_AHEAD", 1, int)  # weight tiles in flight
     qmm_tiled_resident: int = var("SANCTUM_QMM_TILED_RESIDENT", 1, int)  # its blocks an SM
     draft_kernels: str = var("SANCTUM_DRAFT_KERNELS", "auto")  # off: MLX's ops on CUDA
+    # cache: sanctum's CUDA kernels built with NVRTC once and kept (engine/kernels/build.py);
+    # mlx: built by mx.fast.cuda_kernel in every process
+    cuda_builds: str = var("SANCTUM_CUDA_BUILDS", "cache")
     # how a shared verify through the GDN kernel is rolled back: gather | views | rerun (gdn.py)
     shared_rollback: str = var("SANCTUM_SHARED_ROLLBACK", "gather")
     fused_projections: str = var("SANCTUM_FUSED_PROJECTIONS", "on")  # off: each on its own
@@ -207,6 +211,8 @@ def device_settings(env: Env = os.environ) -> DeviceSettings:
             f"SANCTUM_QMM_TILED_RESIDENT must be one of {QMM_TILED_RESIDENT},"
             f" got {s.qmm_tiled_resident}"
         )
+    if s.cuda_builds not in CUDA_BUILDS:
+        raise ValueError(f"SANCTUM_CUDA_BUILDS must be one of {CUDA_BUILDS}, got {s.cuda_builds!r}")
     if s.shared_rollback not in SHARED_ROLLBACKS:
         raise ValueError(
             f"SANCTUM_SHARED_ROLLBACK must be one of {SHARED_ROLLBACKS}, got {s.shared_rollback!r}"

@@ -79,6 +79,33 @@ def test_tiled_qmm_rows_do_not_depend_on_the_rows_beside_them():
         assert mx.array_equal(alone, shared[:8]), (N, K)
 
 
+def test_kept_builds_equal_mlx_builds(tmp_path, monkeypatch):
+    """The kernels built by engine/kernels/build.py (NVRTC, kept on disk) give the very bits of
+    mx.fast.cuda_kernel's builds of the same source, and a later process's kernel reads the
+    kept build instead of compiling."""
+    from sanctum.engine.kernels import build
+
+    monkeypatch.setattr(build, "builds_dir", lambda: tmp_path)
+    assert build.compiler() is not None, "NVRTC not found: every kernel falls back to MLX's builds"
+    ks = mx.random.split(mx.random.key(9), 2)
+    w = mx.random.normal((512, 1024), key=ks[0]).astype(mx.bfloat16)
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    x = mx.random.normal((40, 1024), key=ks[1]).astype(mx.bfloat16)
+    kept = qmm_cuda.tiled_qmm(x, wq, scales, biases, 24)  # split: the tiled and sum kernels
+    monkeypatch.setattr(qmm_cuda, "_kernels", {})
+    with monkeypatch.context() as m:
+        m.setattr(build, "_compiler", [None])  # MLX builds them
+        mlx_built = qmm_cuda.tiled_qmm(x, wq, scales, biases, 24)
+    assert mx.array_equal(kept, mlx_built)
+    files = sorted(tmp_path.glob("*.cubin"))
+    assert len(files) == 2
+    monkeypatch.setattr(qmm_cuda, "_kernels", {})
+    compiled = []
+    monkeypatch.setattr(build.Compiler, "compile", lambda self, t, n: compiled.append(n))
+    again = qmm_cuda.tiled_qmm(x, wq, scales, biases, 24)
+    assert mx.array_equal(again, kept) and not compiled
+
+
 def test_cuda_paths_end_to_end():
     """bench cuda: kernel checks, the Q8 fallback, rollback and lossless greedy with the kernel."""
     from sanctum.bench.cuda import run

@@ -44,7 +44,7 @@ import numpy as np
 from mlx_lm.models.base import create_attention_mask
 
 from ... import settings
-from . import draft_cuda, gdn_cuda, platform, qmm_cuda
+from . import build, draft_cuda, gdn_cuda, platform, qmm_cuda
 
 log = logging.getLogger("sanctum.cuda")
 Q8_MODES = ("auto", "quantized", "dequantized")
@@ -316,4 +316,5 @@ def report() -> dict:
         "gdn_kernel_checks": {str(k[:4]) + f" {k[4]}": v or "ok" for k, v in _checked.items()},
         "few_row_qmm_kernel": dict(_qmm),
         "draft_kernels": dict(_draft),
+        "kernel_builds": dict(build.STATS, mode=settings.device().cuda_builds),
     }

@@ -78,7 +78,7 @@ ATTENTION_SOURCE = """
     constexpr int G = Hq / Hk;          // query heads of one KV head
     constexpr int NPL = D / 32;         // a lane's elements of a head
     constexpr int QKV = (Hq + 2 * Hk) * D;
-    constexpr float NEG = -INFINITY;
+    const float NEG = -INFINITY;
     __shared__ __align__(16) float sq[G][D];  // the group's queries at row i (normed, rotated)
     __shared__ float sk[L][D];          // the block's keys (normed, rotated) and values
     __shared__ float sv[L][D];

@@ -1,0 +1,130 @@
+"""engine/kernels/build.py: each CUDA kernel's build written as mx.fast.cuda_kernel writes it,
+compiled once and kept on disk for later processes, MLX's own build where that fails. The
+compiler here is a stand-in (no GPU); tests/engine/test_cuda.py runs the real one on CUDA."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from sanctum import settings
+from sanctum.engine.kernels import build
+
+
+class StandInCompiler:
+    version = "stand-in sm_90"
+
+    def __init__(self, fail: str | None = None):
+        self.compiled: list[str] = []
+        self.fail = fail
+
+    def compile(self, text: str, name: str) -> bytes:
+        self.compiled.append(name)
+        if self.fail and self.fail in text:
+            raise RuntimeError(f"{name}: error: {self.fail}")
+        return f"cubin of {name}".encode()
+
+
+@pytest.fixture
+def builds(tmp_path, monkeypatch):
+    """A stand-in compiler and an empty builds folder; precompiled launches recorded."""
+    cc = StandInCompiler()
+    monkeypatch.setattr(build, "_compiler", [cc])
+    monkeypatch.setattr(build, "builds_dir", lambda: tmp_path / "cuda-builds")
+    launched = []
+
+    def precompiled(**kw):
+        launched.append(kw)
+        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
+    return cc, launched, tmp_path / "cuda-builds"
+
+
+def _call(kernel, x, template=(("N", 4), ("FAST", True))):
+    return kernel(
+        inputs=[x, mx.array([1], dtype=mx.int32)],
+        template=template,
+        grid=(32, 4, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(4,)],
+        output_dtypes=[mx.float32],
+    )
+
+
+def test_source_is_written_as_mlx_writes_a_custom_kernel():
+    """The header before the kernel, the inputs as const pointers of their CUDA types then the
+    outputs, the template constants as constexprs ahead of the body, and the half-precision
+    headers only where a parameter needs them."""
+    text = build.kernel_source(
+        "k_1_t",
+        "// header\n",
+        "    y[0] = x[0];",
+        [("x", mx.bfloat16), ("steps", mx.int32)],
+        [("y", mx.float32)],
+        [("N", 1), ("FAST", True)],
+    )
+    assert text.startswith(build.PRELUDE + "#include <cuda_bf16.h>\n// header\n")
+    assert (
+        'extern "C" __global__ void k_1_t(\n    const __nv_bfloat16* x,\n    const int32_t* steps,\n'
+        "    float* y) {\n  constexpr int N = 1;\n  constexpr bool FAST = true;\n    y[0] = x[0];\n}\n"
+    ) in text
+    plain = build.kernel_source("k", "", "", [("x", mx.uint16)], [("y", mx.uint16)], [])
+    assert "#include" not in plain
+
+
+def test_a_build_is_compiled_once_and_read_back_by_a_later_process(builds):
+    """The first call compiles and keeps the binary; a later process's kernel of the same
+    source reads it instead of compiling; another template, other dtypes or a changed source
+    are builds of their own, under names that tell them apart."""
+    cc, launched, folder = builds
+    x = mx.zeros((4,), mx.uint16)
+    kernel = build.cuda_kernel("sanctum_k", ["x", "steps"], ["y"], "    y[0] = 1.0f;")
+    _call(kernel, x)
+    _call(kernel, x)  # the same process: from memory
+    assert len(cc.compiled) == 1 and len(list(folder.glob("*.cubin"))) == 1
+    assert launched[0]["compiled_source"] == f"cubin of {cc.compiled[0]}".encode()
+    assert launched[0]["name"] == cc.compiled[0] and launched[0]["ensure_row_contiguous"]
+    assert launched[0]["grid"] == (32, 4, 1) and launched[0]["scalars"] == []
+
+    later = build.cuda_kernel("sanctum_k", ["x", "steps"], ["y"], "    y[0] = 1.0f;")
+    _call(later, x)
+    assert len(cc.compiled) == 1  # read from disk
+    assert launched[-1]["compiled_source"] == launched[0]["compiled_source"]
+
+    _call(later, x, template=(("N", 8), ("FAST", True)))
+    _call(later, mx.zeros((4,), mx.float32))
+    changed = build.cuda_kernel("sanctum_k", ["x", "steps"], ["y"], "    y[0] = 2.0f;")
+    _call(changed, x)
+    names = cc.compiled
+    assert len(names) == 4 and len(set(names)) == 4
+    assert all(n.startswith("sanctum_k_") for n in names)
+    assert "_4_t_" in names[0] and "_8_t_" in names[1]
+
+
+def test_a_kernel_that_does_not_compile_is_built_by_mlx(builds, monkeypatch):
+    """A compile error (or no NVRTC) leaves the kernel to mx.fast.cuda_kernel, with the same
+    arguments; nothing is kept on disk."""
+    cc, launched, folder = builds
+    cc.fail = "undefined_thing"
+    made = []
+
+    def mlx_kernel(**kw):
+        made.append(kw)
+        return lambda **call: [call]
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", mlx_kernel)
+    kernel = build.cuda_kernel("sanctum_k", ["x", "steps"], ["y"], "    undefined_thing();")
+    (call,) = _call(kernel, mx.zeros((4,), mx.uint16))
+    assert not launched and not folder.exists()
+    assert made[0]["name"].startswith("sanctum_k_") and made[0]["input_names"] == ["x", "steps"]
+    assert call["template"] == [("N", 4), ("FAST", True)] and call["grid"] == (32, 4, 1)
+
+
+def test_mlx_builds_on_request(monkeypatch):
+    """SANCTUM_CUDA_BUILDS=mlx: no compiler is looked for; anything else is refused."""
+    monkeypatch.setattr(build, "_compiler", [])
+    monkeypatch.setattr(build.Compiler, "find", lambda: pytest.fail("looked for NVRTC"))
+    with settings.use_device(cuda_builds="mlx"):
+        assert build.compiler() is None
+    with pytest.raises(ValueError, match="SANCTUM_CUDA_BUILDS"):
+        settings.device_settings({"SANCTUM_CUDA_BUILDS": "nvcc"})
