@@ -212,7 +212,7 @@ def compiler() -> Compiler | None:
             if settings.device().cuda_builds == "cache":
                 try:
                     found = Compiler.find()
-                except Exception as e:
+                except Exception as e:  # any failure here: MLX builds them, as before
                     log.warning("NVRTC not usable here, MLX builds the kernels: %s", e)
             _compiler.append(found)
         return _compiler[0]
