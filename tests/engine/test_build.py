@@ -4,6 +4,8 @@ compiler here is a stand-in (no GPU); tests/engine/test_cuda.py runs the real on
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import pytest
 from sanctum import settings
@@ -128,3 +130,83 @@ def test_mlx_builds_on_request(monkeypatch):
         assert build.compiler() is None
     with pytest.raises(ValueError, match="SANCTUM_CUDA_BUILDS"):
         settings.device_settings({"SANCTUM_CUDA_BUILDS": "nvcc"})
+
+
+def _nvrtc_for_sm90():
+    """NVRTC and CUDA's headers from the nvidia-cuda-* wheels (dev extras on Linux x86_64)."""
+    import ctypes
+    import importlib.util
+    from pathlib import Path
+
+    found = []
+    for package, sub in (("nvidia.cuda_nvrtc", "lib"), ("nvidia.cuda_runtime", "include")):
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        found.append(Path(next(iter(spec.submodule_search_locations))) / sub)
+    libs = sorted(found[0].glob("libnvrtc.so.*[0-9]"))
+    if not libs:
+        return None
+    return build.Compiler(ctypes.CDLL(str(libs[0])), "sm_90", [str(found[1])])
+
+
+def test_every_kernel_compiles_for_an_h100(tmp_path, monkeypatch):
+    """Each of sanctum's CUDA kernels, at shapes and variants the engine builds (the 4-bit
+    kernels at 2-64 rows, K split or whole, the tiled one's weights 3 tiles ahead and 2 blocks
+    an SM; the GDN kernel in bfloat16 and float32, taped and re-run; the draft attention and
+    convolution), compiles for sm_90 through build.py: an edit that breaks a kernel's source
+    shows here, not on a lent GPU. Nothing runs (no GPU): the launches are recorded."""
+    from sanctum.engine.kernels import draft_cuda, gdn_cuda, qmm_cuda
+
+    cc = _nvrtc_for_sm90()
+    if cc is None:
+        pytest.skip("no NVRTC wheel (nvidia-cuda-nvrtc-cu12, nvidia-cuda-runtime-cu12)")
+    monkeypatch.setattr(build, "_compiler", [cc])
+    monkeypatch.setattr(build, "builds_dir", lambda: tmp_path)
+    for module in (qmm_cuda, gdn_cuda, draft_cuda):
+        monkeypatch.setattr(module, "_kernels", {})
+    launched = []
+
+    def precompiled(**kw):
+        launched.append(kw["name"])
+        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: pytest.fail(f"{kw['name']}: no build"))
+
+    def qmm(M, N, K):
+        wq, s, b = mx.quantize(mx.random.normal((N, K)).astype(mx.bfloat16), 64, 4)
+        return mx.random.normal((M, K)).astype(mx.bfloat16), wq, s, b
+
+    mx.eval(qmm_cuda.small_qmm(*qmm(8, 256, 512)), qmm_cuda.wide_qmm(*qmm(40, 256, 512)))
+    for M in (2, 24, 64):
+        for blocks in (1, 24):
+            mx.eval(qmm_cuda.tiled_qmm(*qmm(M, 256, 1024), blocks))
+    mx.eval(qmm_cuda.tiled_qmm(*qmm(64, 256, 1024), 24, ahead=3, resident=2))
+    B, T, Hk, Hv, Dk, Dv = 2, 8, 2, 4, 64, 32
+    for dtype in (mx.bfloat16, mx.float32):
+        args = [
+            mx.random.normal((B, T, Hk, Dk)).astype(dtype),
+            mx.random.normal((B, T, Hk, Dk)).astype(dtype),
+            mx.random.normal((B, T, Hv, Dv)).astype(dtype),
+            mx.random.uniform(shape=(B, T, Hv)),
+            mx.random.uniform(shape=(B, T, Hv)).astype(dtype),
+            mx.zeros((B, Hv, Dv, Dk)),
+        ]
+        mx.eval(gdn_cuda.gated_delta_cuda(*args, keep_rows=True))
+        mx.eval(gdn_cuda.gated_delta_cuda(*args, rows=[3, 5]))
+    spec = draft_cuda.AttentionSpec(4, 2, 32, 16, True, 1e-6, 0.2, 1e6)
+    draft_cuda.verdict([dict(spec.__dict__)], [[64, 2, 16]], [8])  # zeros: disagrees, built
+    for kernel in (
+        "small_qmm",
+        "wide_qmm",
+        "tiled_qmm",
+        "tiled_qmm_r2",
+        "sum_splits",
+        "gated_delta",
+        "gated_delta_rows",
+        "draft_attention",
+        "dynamic_conv",
+    ):  # each name, then its source's digest (12 hex digits), then its template
+        assert any(re.match(f"sanctum_{kernel}_[0-9a-f]{{12}}_", n) for n in launched), kernel
+    assert len(list(tmp_path.glob("*.cubin"))) == len(set(launched)) >= 15
