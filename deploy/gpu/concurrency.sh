@@ -8,6 +8,8 @@
 # tagged with its step ("step"), so a run cut short keeps what it measured; each step's stderr
 # goes to $OUT/stderr.txt under a "== STEP" line, and $OUT/steps.txt says how each step ended.
 # Steps, most important first, each under its own `timeout` (a hang costs that step only):
+#   kernel-builds  the CUDA tests of sanctum's kept kernel builds (engine/kernels/build.py)
+#                against MLX's own builds of the same sources, and of the 4-bit kernels
 #   build        the seed-shaped pair (bench seed --build-only; reused under SEED_DIR)
 #   qmm-wide     the wide 4-bit kernel's check and a chain of the seed's MLP products at 1..64
 #                rows: one wide call, 16 rows a call, MLX's
@@ -217,6 +219,10 @@ s_cuda_tests() {  # (pytest's report is not JSON: it goes to stderr.txt)
   step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovider -rf \
     -k "not cluster and not scheduler" "${cuda_tests[@]}"
 }
+s_kernel_builds() {  # sanctum's kept kernel builds against MLX's, before anything uses them
+  step kernel-builds 120 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovider -rf \
+    tests/engine/test_cuda.py -k "kept_builds or qmm_kernel_matches"
+}
 s_default_gaps() { step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"; }
 s_seed_wide() { seed_pair && step seed-wide 200 env SANCTUM_QMM_WIDE=wide "${seed_steady[@]}"; }
 s_seed_split() { seed_pair && step seed-split 240 env SANCTUM_QMM_WIDE=off "${seed_steady[@]}"; }
@@ -226,7 +232,7 @@ s_seed_trace() {
 }
 s_default_steady() { step default-steady 120 "${bench[@]}" batch "${steady[@]}"; }
 
-ALL="build qmm-wide qmm-tiled seed-steady seed-rerun seed-views seed-tau5 default-served cuda-tests
+ALL="kernel-builds build qmm-wide qmm-tiled seed-steady seed-rerun seed-views seed-tau5 default-served cuda-tests
 default-gaps seed-wide seed-split seed-trace default-steady"
 STEPS=$(echo ${STEPS:-$ALL})
 case " $STEPS " in *" seed-"*) case " $STEPS " in *" build "*) ;; *) STEPS="build $STEPS" ;; esac ;; esac
