@@ -17,6 +17,8 @@
 #                and 3 tiles ahead, and with 2 thread blocks an SM), and the same chain at 64,
 #                24 and 8 rows aiming at 264 or 528 thread blocks, each variant that agreed,
 #                against the wide kernel and 16 rows a call
+#   qmm-profile  Nsight Compute's view of the tiled kernel at 64 rows (speed of light, memory,
+#                warp stalls, occupancy) where the machine has ncu; its report goes to stderr.txt
 #   seed-steady  bench batch --steady at 1,4,8 on it: round ms, tok/s vs one, the phases, the
 #                op counts (COUNT), every output judged against plain greedy (near-tie verdicts);
 #                the tiled kernel's weights as far ahead as ran fastest in qmm-tiled
@@ -219,6 +221,17 @@ s_cuda_tests() {  # (pytest's report is not JSON: it goes to stderr.txt)
   step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovider -rf \
     -k "not cluster and not scheduler" "${cuda_tests[@]}"
 }
+s_qmm_profile() {  # where the tiled kernel's time goes, by Nsight Compute where the machine has it
+  local ncu
+  ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null) || {
+    echo '{"step": "qmm-profile", "skipped": "no ncu"}' >> "$lines"
+    return
+  }
+  step qmm-profile 150 sh -c 'exec "$@" 1>&2' _ "$ncu" --kernel-name regex:sanctum_tiled \
+    --launch-skip 4 --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section Occupancy "$py" -c 'from sanctum.engine.kernels import qmm_checks as c
+c.chain_ms(c.tiled_blocks_qmm(None), rows=64, pairs=2, reps=2)'
+}
 s_kernel_builds() {  # sanctum's kept kernel builds against MLX's, before anything uses them
   step kernel-builds 120 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovider -rf \
     tests/engine/test_cuda.py -k "kept_builds or qmm_kernel_matches"
@@ -232,7 +245,7 @@ s_seed_trace() {
 }
 s_default_steady() { step default-steady 120 "${bench[@]}" batch "${steady[@]}"; }
 
-ALL="kernel-builds build qmm-wide qmm-tiled seed-steady seed-rerun seed-views seed-tau5 default-served cuda-tests
+ALL="kernel-builds build qmm-wide qmm-tiled qmm-profile seed-steady seed-rerun seed-views seed-tau5 default-served cuda-tests
 default-gaps seed-wide seed-split seed-trace default-steady"
 STEPS=$(echo ${STEPS:-$ALL})
 case " $STEPS " in *" seed-"*) case " $STEPS " in *" build "*) ;; *) STEPS="build $STEPS" ;; esac ;; esac
