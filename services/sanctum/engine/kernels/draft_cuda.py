@@ -1,4 +1,4 @@
-"""Fused CUDA kernels for a draft layer, through `mx.fast.cuda_kernel`: a draft on a GPU is bound
+"""Fused CUDA kernels for a draft layer (built by engine/kernels/build.py): a draft on a GPU is bound
 by its kernel launches, and these take a layer's many small kernels down to two.
 
 - `block_attention`: a draft block's whole attention after the fused q/k/v product. From that

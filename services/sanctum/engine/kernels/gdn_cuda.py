@@ -1,5 +1,5 @@
 """A fused CUDA kernel for the gated delta rule over a short block (a verify block, a rollback
-re-run), through `mx.fast.cuda_kernel`: one launch per layer instead of the chunked form's ~25
+re-run), built by engine/kernels/build.py: one launch per layer instead of the chunked form's ~25
 small kernels.
 
 Contract: `gated_delta_cuda(q, k, v, g, beta, state)` computes what mlx-lm's `gated_delta_ops`

@@ -1,6 +1,6 @@
 """A CUDA kernel for 4-bit matmuls over a few rows (a verify block's projections, the fused
 sibling products of engine/kernels/fused.py among them; a draft head; a shared verify's blocks, 16
-rows a call: `rows_qmm`), through `mx.fast.cuda_kernel`.
+rows a call: `rows_qmm`), built by engine/kernels/build.py.
 
 Why: MLX CUDA's quantized matmul at 8 rows costs several times its one-row kernel when the
 layers run one after the other (docs/performance.md), so an 8-row verify paid for its rows in
@@ -249,7 +249,7 @@ SOURCE_TAIL = """
     sanctum_reduce_store<M, N, NT, WARPS>(c, red, warp, lane, n0, y);
 """
 SOURCE = SOURCE_HEAD + SOURCE_LOOP + SOURCE_TAIL
-_kernels: dict[str, object] = {}  # name -> the built mx.fast.cuda_kernel
+_kernels: dict[str, object] = {}  # name -> its build.Kernel
 
 # The wide variant (`wide_qmm`, 17..WIDE_ROWS rows in one call: a shared verify's 24-64 rows):
 # the same mmas, but the x rows are read inside a tile's loop, one 16-byte word of each 8-row
@@ -501,7 +501,7 @@ OPERANDS = ["x", "w", "scales", "biases"]  # every 4-bit kernel's inputs, as `_o
 
 
 def _kernel(name: str, source: str, header: str, inputs: list[str]):
-    """The mx.fast.cuda_kernel `name` (one output, y), built at its first use."""
+    """The kernel `name` (one output, y; build.py), built at its first use."""
     kernel = _kernels.get(name)
     if kernel is None:
         kernel = _kernels[name] = build.cuda_kernel(name, inputs, ["y"], source, header)
@@ -547,9 +547,9 @@ TILED_RESIDENT = 1
 
 
 def tiled_header(resident: int) -> str:
-    """TILED_HEADER for `resident` thread blocks an SM. mx.fast.cuda_kernel writes the kernel's
-    signature itself, so the bound comes in through the `__global__` that it spells there (the
-    header is the last text before it)."""
+    """TILED_HEADER for `resident` thread blocks an SM. The kernel's signature is written for
+    it (build.py, or mx.fast.cuda_kernel where that builds), so the bound comes in through the
+    `__global__` spelled there (the header is the last text before it)."""
     if resident == 1:
         return TILED_HEADER
     return TILED_HEADER + (
