@@ -158,15 +158,18 @@ class GDNBatchTape:
         n_conv = self.conv_input.shape[1] - self.entries[0].num_rows
         at = mx.array((kept[:, None] + np.arange(n_conv, dtype=np.int32))[..., None])
         convs = _split_rows(mx.take_along_axis(self.conv_input, at, axis=1))
-        states = _split_rows(self._states_at(kept))
+        states = _split_rows(self._states_at(kept, any(k == 0 for k in keeps.values())))
         for n in keeps:
             cache = self.entries[n].cache
             cache[0], cache[1] = convs[n], states[n]
 
-    def _states_at(self, keeps: np.ndarray) -> mx.array:
+    def _states_at(self, keeps: np.ndarray, none_kept: bool = True) -> mx.array:
         """The recurrent state of each sequence after its keeps[n] rows ([N, Hv, Dv, Dk]), by
         a few ops: the block kernel run again over the kept rows, a gather of the kept rows'
-        states, or `states_after` over the chunk's parts."""
+        states, or `states_after` over the chunk's parts. Without `none_kept` (no sequence
+        rolled back keeps 0 rows: a round keeps at least its committed token) the gather's
+        rows of keeps 0 are left as any row (their sequences' states are dropped), which saves
+        a pass over all N states."""
         if self.kernel_inputs is not None:
             return BLOCK_KERNEL(*self.kernel_inputs, self.state_in, rows=keeps.tolist())[1]
         last = np.maximum(keeps - 1, 0)  # the last kept row (any row where none is kept)
@@ -180,7 +183,7 @@ class GDNBatchTape:
         N, S = self.row_states.shape[:2]
         flat = self.row_states.reshape(N * S, *self.row_states.shape[2:])
         picked = mx.take(flat, mx.array(np.arange(N) * S + last), axis=0)
-        return mx.where(kept, picked, self.state_in)
+        return mx.where(kept, picked, self.state_in) if none_kept else picked
 
 
 def _split_rows(x: mx.array) -> list[mx.array]:
