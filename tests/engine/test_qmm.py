@@ -318,9 +318,9 @@ def test_two_resident_blocks_build_a_kernel_of_their_own(monkeypatch):
 
 
 def test_kernel_names_carry_their_sources_digest():
-    """MLX's PTX cache keys a built module by the kernel's name alone: every sanctum kernel's
-    name carries a digest of its source and header, so a changed kernel is built anew after an
-    upgrade, and no engine module builds one without it."""
+    """MLX keeps a process's built modules by the kernel's name alone: every sanctum kernel's
+    name carries a digest of its source and header, so two sources never share a build, and no
+    engine module builds a kernel but through build.py."""
     from sanctum.engine.kernels import build
 
     a = build.source_name("sanctum_k", "y[0] = x[0];", "// h")
