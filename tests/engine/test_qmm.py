@@ -5,6 +5,7 @@ kernel itself is checked on the GPU (test_cuda.py)."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -64,18 +65,21 @@ def test_few_rows_go_to_the_kernel_and_outputs_agree(monkeypatch):
         )
 
 
+def _recording(calls: list, kind: str):
+    """A stand-in 4-bit kernel: MLX's product, the call noted in `calls` as (kind, rows)."""
+
+    def fn(x, w, scales, biases):
+        calls.append((kind, x.shape[0]))
+        return qmm_cuda.reference(x, w, scales, biases)
+
+    return fn
+
+
 def test_with_the_wide_kernel_a_shared_verify_takes_one_call(monkeypatch):
     """Once the wide variant passed its check (`WIDE`), 17..64 rows go to it in one call (the
     weights read once), 2..16 still to the few-row kernel, one row and 65 to MLX's."""
     calls = []
-
-    def standin(kind):
-        def fn(x, w, scales, biases):
-            calls.append((kind, x.shape[0]))
-            return qmm_cuda.reference(x, w, scales, biases)
-
-        return fn
-
+    standin = partial(_recording, calls)
     monkeypatch.setattr(qmm_cuda, "small_qmm", standin("small"))
     monkeypatch.setattr(qmm_cuda, "wide_qmm", standin("wide"))
     monkeypatch.setattr(qmm_cuda, "WIDE", True)
@@ -98,14 +102,7 @@ def test_with_the_tiled_kernel_a_shared_verify_takes_it(monkeypatch):
     """Once the tiled variant passed its check and gate (`TILED`), 17..64 rows go to it in one
     call; a call naming the wide kernel (its check's, a benchmark's) still gets the wide kernel."""
     calls = []
-
-    def standin(kind):
-        def fn(x, w, scales, biases):
-            calls.append((kind, x.shape[0]))
-            return qmm_cuda.reference(x, w, scales, biases)
-
-        return fn
-
+    standin = partial(_recording, calls)
     for name in ("small", "wide", "tiled"):
         monkeypatch.setattr(qmm_cuda, f"{name}_qmm", standin(name))
     monkeypatch.setattr(qmm_cuda, "WIDE", True)
