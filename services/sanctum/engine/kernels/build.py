@@ -3,7 +3,7 @@
 MLX builds an `mx.fast.cuda_kernel` with NVRTC at its first call in every process and keeps no
 build across processes (MLX 0.32: its PTX cache holds MLX's own kernels, not custom ones), so a
 server start, each load-time check's child process and each benchmark paid a build per kernel
-and template: a second or more each, minutes in all for the 4-bit kernels' shapes. This module
+and template, every time (docs/performance.md says what that cost a GPU run). This module
 writes the kernel's source the way `mx.fast.cuda_kernel` does (the template constants as
 `constexpr`s, the inputs as `const T*`, then the outputs), compiles it with the NVRTC that MLX
 itself loaded, for this GPU's architecture, keeps the binary under SANCTUM_HOME/cuda-builds/
