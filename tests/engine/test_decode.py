@@ -6,6 +6,8 @@ on the CPU. (A bf16 model: test_bf16_decode.py.)"""
 
 from __future__ import annotations
 
+from argparse import Namespace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -340,6 +342,18 @@ def test_kernel_verdict_comes_from_a_child_process_and_is_remembered(tmp_path, m
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("ran the check again"))
     assert cuda.verdict((2, 4, 32, 32), mx.float32) == first
     assert (tmp_path / "cuda-checks.json").is_file()
+    # kernels built another way (engine/kernels/build.py's NVRTC, not MLX's) are checked anew
+    from sanctum.engine.kernels import build
+
+    monkeypatch.setattr(build, "_compiler", [Namespace(version="nvrtc 13.0 sm_90")])
+    ran = []
+
+    def run(cmd, **kw):
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout='{"verdict": null}\n', stderr="")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    assert cuda.verdict((2, 4, 32, 32), mx.float32) is None and len(ran) == 1
 
 
 def test_async_hand_on_leaves_outputs_unchanged(pair):

@@ -218,6 +218,13 @@ def compiler() -> Compiler | None:
         return _compiler[0]
 
 
+def identity() -> str:
+    """How this process builds its kernels, for the load-time checks' keys (engine/kernels/
+    cuda.py): a verdict on one way of building them says nothing of another."""
+    cc = compiler()
+    return f"built by {cc.version}" if cc is not None else "built by MLX"
+
+
 def builds_dir() -> Path:
     return Path(settings.device().home) / "cuda-builds"
 

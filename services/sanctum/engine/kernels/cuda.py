@@ -128,7 +128,9 @@ def verdict(shape: tuple[int, int, int, int], dtype: mx.Dtype) -> str | None:
 
 def _child_verdict(key: str, module_args: list[str]) -> str | None:
     """The verdict a kernel module's check prints (`python -m module args`), run in a child
-    process and remembered under `key` in $SANCTUM_HOME/cuda-checks.json."""
+    process and remembered under `key` and how the kernels are built in
+    $SANCTUM_HOME/cuda-checks.json."""
+    key = f"{key} {build.identity()}"
     path = Path(settings.device().home) / "cuda-checks.json"
     try:
         known = json.loads(path.read_text())
