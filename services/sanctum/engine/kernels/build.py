@@ -236,7 +236,7 @@ class Kernel:
     def __init__(self, name: str, inputs: list[str], outputs: list[str], source: str, header=""):
         self.name = source_name(name, source, header)
         self.inputs, self.outputs, self.source, self.header = inputs, outputs, source, header
-        self._binaries: dict[tuple, bytes | None] = {}
+        self._binaries: dict[str, bytes | None] = {}  # entry -> its cubin (None: MLX builds)
         self._fallback = None
 
     def binary(self, template, in_dtypes, out_dtypes) -> tuple[str, bytes] | None:
@@ -245,9 +245,8 @@ class Kernel:
         # the dtypes in the name too: MLX keeps a process's modules by the kernel's name
         types = hashlib.sha256(str([*in_dtypes, *out_dtypes]).encode()).hexdigest()[:6]
         entry = f"{self.name}{template_suffix(template)}_{types}"
-        key = (entry, tuple(in_dtypes), tuple(out_dtypes))
-        if key in self._binaries:
-            found = self._binaries[key]
+        if entry in self._binaries:  # the entry names the template and the dtypes
+            found = self._binaries[entry]
             return None if found is None else (entry, found)
         cc = compiler()
         cubin = None
@@ -275,7 +274,7 @@ class Kernel:
                     _write(path, cubin)
         if cubin is None:
             STATS["mlx"] += 1
-        self._binaries[key] = cubin
+        self._binaries[entry] = cubin
         return None if cubin is None else (entry, cubin)
 
     def __call__(
