@@ -5,6 +5,7 @@ a real Ray cluster: test_cluster.py)."""
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import mlx.core as mx
@@ -141,6 +142,56 @@ def test_draft_service_drafts_a_shared_round_in_one_call(engine):
     reply, got = service.handle("c1", roles.DraftRequest(draft=call), lambda r: arrays[r.offset])
     assert not reply.error and got.shape == (3, 7, want.shape[-1])
     assert mx.allclose(got, want, atol=1e-5).item()
+
+
+def test_event_client_survives_a_stream_finalized_inside_its_reader():
+    """A request's event stream left suspended (its caller raised, or went away) is finalized
+    whenever the garbage collector runs, on any thread: here on the client's reader thread
+    while it routes another request's events, the moment it hands them over. The reader must
+    go on routing (it once deadlocked there on its own lock, and every request then hung)."""
+    from sanctum.cluster.events import EventClient, EventServer
+    from sanctum.serving.requests import Chunk
+    from sanctum.serving.scheduler import END
+
+    sinks = {}
+    server = EventServer(lambda sub, sink: sinks.__setitem__(sub.request_id, sink), lambda _: None)
+    client = EventClient(server.address, server.authkey)
+    try:
+
+        def submit(rid):
+            q = client.submit(roles.Submit(request_id=rid))
+            assert wait_for(lambda: rid in sinks, 5)
+            return q
+
+        abandoned = [client.events("a", submit("a"))]
+        sinks["a"].put(Chunk("x", [1]))
+        assert next(abandoned[0]).chunk.token_ids == [1]  # suspended inside its stream
+
+        class FinalizingQueue:  # stands for a collection that finalizes "a" right here
+            def __init__(self):
+                self.got = queue.SimpleQueue()
+
+            def put(self, event):
+                abandoned.clear()  # the last reference: "a" is finalized on this thread, now
+                self.got.put(event)
+
+        submit("b")
+        client._queues["b"] = fin = FinalizingQueue()
+        sinks["b"].put(Chunk("y", [2]))
+        assert fin.got.get(timeout=10).chunk.token_ids == [2]
+        assert "a" not in client._queues  # its cleanup ran, inside the reader
+
+        q = submit("c")  # the reader still routes
+        sinks["c"].put(Chunk("z", [3]))
+        sinks["c"].put(END)
+        events = list(client.events("c", q))
+        assert [e.chunk.token_ids for e in events[:-1]] == [[3]] and events[-1].end
+        assert not client.broken
+    finally:
+        server.close()
+        if client._lock.acquire(timeout=5):  # (a deadlocked reader would hold it for good)
+            client._lock.release()
+            client.close()
 
 
 def test_event_socket_streams_requests_and_cancels_orphans(pair, engine):

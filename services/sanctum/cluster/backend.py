@@ -224,6 +224,8 @@ class ClusterBackend:
         except ChannelBroken:
             self._verifier_lost()
             raise Unavailable(self.LOST) from None
+        finally:  # now, not whenever the garbage collector reaches the raised error's frames
+            events.close()
 
     def _verifier_lost(self) -> None:
         """Report NOT_SERVING until the restarted verifier has loaded its models."""

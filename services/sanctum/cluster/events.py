@@ -244,8 +244,11 @@ class EventClient:
                 if event.WhichOneof("kind") != "chunk":
                     return
         finally:
-            with self._lock:
-                self._queues.pop(request_id, None)
+            # no lock here: a generator left suspended (its caller raised, or went away) is
+            # finalized by the garbage collector on whatever thread allocates next, the reader
+            # thread too, inside `_route`, which holds `_lock` (it deadlocked there: every
+            # request's events then stopped). dict.pop is one atomic step.
+            self._queues.pop(request_id, None)
 
     def cancel(self, request_id: str) -> None:
         data = roles.FrontEndMessage(cancel=request_id).SerializeToString()
@@ -271,9 +274,9 @@ class EventClient:
                 q = self._queues.get(event.request_id)
                 if q is None:
                     continue  # its caller stopped reading (cancelled)
-                q.put(event)
+                q.put(event)  # SimpleQueue.put: safe even if a finalizer runs inside it
                 if event.WhichOneof("kind") != "chunk":
-                    del self._queues[event.request_id]
+                    self._queues.pop(event.request_id, None)  # (`events` may have, meanwhile)
 
     def close(self) -> None:
         with self._lock:
