@@ -247,8 +247,10 @@ class EventClient:
             # no lock here: a generator left suspended (its caller raised, or went away) is
             # finalized by the garbage collector on whatever thread allocates next, the reader
             # thread too, inside `_route`, which holds `_lock` (it deadlocked there: every
-            # request's events then stopped). dict.pop is one atomic step.
-            self._queues.pop(request_id, None)
+            # request's events then stopped). Each dict step is atomic; a late finalizer leaves
+            # alone a newer request that reuses the id.
+            if self._queues.get(request_id) is q:
+                self._queues.pop(request_id, None)
 
     def cancel(self, request_id: str) -> None:
         data = roles.FrontEndMessage(cancel=request_id).SerializeToString()
