@@ -278,7 +278,7 @@ class EventClient:
                     continue  # its caller stopped reading (cancelled)
                 q.put(event)  # SimpleQueue.put: safe even if a finalizer runs inside it
                 if event.WhichOneof("kind") != "chunk":
-                    self._queues.pop(event.request_id, None)  # (`events` may have, meanwhile)
+                    self._queues.pop(event.request_id, None)  # (or its stream's cleanup did)
 
     def close(self) -> None:
         with self._lock:
