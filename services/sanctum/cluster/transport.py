@@ -54,15 +54,21 @@ class ChannelBroken(ConnectionError):
 # ---- the shared-memory slot --------------------------------------------------------------
 
 
+_OWNED: set[str] = set()  # segments this process created and has not unlinked
+
+
 def _attach(name: str) -> shared_memory.SharedMemory:
     """Attach to a segment another process owns, without letting this process's resource
-    tracker unlink it at exit (Python < 3.13 registers every attach)."""
+    tracker unlink it at exit (Python < 3.13 registers every attach). Where this process owns
+    it too (both ends in one process, as in tests), the registration is the owner's: kept, or
+    the owner's unlink would make the tracker print a KeyError."""
     try:
         return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
     except TypeError:
         shm = shared_memory.SharedMemory(name=name)
-        with contextlib.suppress(Exception):  # best effort: a warning at exit at worst
-            resource_tracker.unregister(shm._name, "shared_memory")
+        if shm._name not in _OWNED:
+            with contextlib.suppress(Exception):  # best effort: a warning at exit at worst
+                resource_tracker.unregister(shm._name, "shared_memory")
         return shm
 
 
@@ -76,6 +82,7 @@ class Slot:
             name = f"snc-{os.getpid():x}-{secrets.token_hex(3)}"
             self.shm = shared_memory.SharedMemory(name=name, create=True, size=size)
             self.owner = True
+            _OWNED.add(self.shm._name)
         else:
             self.shm = _attach(name)
             self.owner = False
@@ -106,6 +113,7 @@ class Slot:
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 self.shm.unlink()
+            _OWNED.discard(self.shm._name)
             self.owner = False
 
     def close(self) -> None:
