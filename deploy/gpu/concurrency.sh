@@ -241,6 +241,9 @@ s_kernel_builds() {  # sanctum's kept kernel builds against MLX's, before anythi
   export SANCTUM_CUDA_BUILDS=mlx
   echo "SANCTUM_CUDA_BUILDS=mlx (kernel-builds failed)" | tee -a "$out/steps.txt"
 }
+s_registers() {  # the tiled kernel's registers and blocks an SM, by the NVRTC MLX loaded
+  step registers 60 "${bench[@]}" registers --lines
+}
 s_default_gaps() { step default-gaps 90 "${bench[@]}" gaps --warm --lines "${gaps[@]}"; }
 s_seed_wide() { seed_pair && step seed-wide 200 env SANCTUM_QMM_WIDE=wide "${seed_steady[@]}"; }
 s_seed_split() { seed_pair && step seed-split 240 env SANCTUM_QMM_WIDE=off "${seed_steady[@]}"; }
@@ -250,7 +253,7 @@ s_seed_trace() {
 }
 s_default_steady() { step default-steady 120 "${bench[@]}" batch "${steady[@]}"; }
 
-ALL="kernel-builds build qmm-wide qmm-tiled qmm-profile seed-steady seed-rerun seed-views seed-tau5 default-served cuda-tests
+ALL="kernel-builds registers build qmm-wide qmm-tiled qmm-profile seed-steady seed-rerun seed-views seed-tau5 default-served cuda-tests
 default-gaps seed-wide seed-split seed-trace default-steady"
 STEPS=$(echo ${STEPS:-$ALL})
 case " $STEPS " in *" seed-"*) case " $STEPS " in *" build "*) ;; *) STEPS="build $STEPS" ;; esac ;; esac

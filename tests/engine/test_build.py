@@ -4,6 +4,7 @@ compiler here is a stand-in (no GPU); tests/engine/test_cuda.py runs the real on
 
 from __future__ import annotations
 
+import json
 import re
 
 import mlx.core as mx
@@ -132,24 +133,6 @@ def test_mlx_builds_on_request(monkeypatch):
         settings.device_settings({"SANCTUM_CUDA_BUILDS": "nvcc"})
 
 
-def _nvrtc_for_sm90():
-    """NVRTC and CUDA's headers from the nvidia-cuda-* wheels (dev extras on Linux x86_64)."""
-    import ctypes
-    import importlib.util
-    from pathlib import Path
-
-    found = []
-    for package, sub in (("nvidia.cuda_nvrtc", "lib"), ("nvidia.cuda_runtime", "include")):
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        found.append(Path(next(iter(spec.submodule_search_locations))) / sub)
-    libs = sorted(found[0].glob("libnvrtc.so.*[0-9]"))
-    if not libs:
-        return None
-    return build.Compiler(ctypes.CDLL(str(libs[0])), "sm_90", [str(found[1])])
-
-
 def test_every_kernel_compiles_for_an_h100(tmp_path, monkeypatch):
     """Each of sanctum's CUDA kernels, at shapes and variants the engine builds (the 4-bit
     kernels at 2-64 rows, K split or whole, the tiled one's weights 3 tiles ahead and 2 blocks
@@ -158,7 +141,7 @@ def test_every_kernel_compiles_for_an_h100(tmp_path, monkeypatch):
     shows here, not on a lent GPU. Nothing runs (no GPU): the launches are recorded."""
     from sanctum.engine.kernels import draft_cuda, gdn_cuda, qmm_cuda
 
-    cc = _nvrtc_for_sm90()
+    cc = build.Compiler.from_wheels("sm_90")
     if cc is None:
         pytest.skip("no NVRTC wheel (nvidia-cuda-nvrtc-cu12, nvidia-cuda-runtime-cu12)")
     monkeypatch.setattr(build, "_compiler", [cc])
@@ -210,3 +193,25 @@ def test_every_kernel_compiles_for_an_h100(tmp_path, monkeypatch):
     ):  # each name, then its source's digest (12 hex digits), then its template
         assert any(re.match(f"sanctum_{kernel}_[0-9a-f]{{12}}_", n) for n in launched), kernel
     assert len(list(tmp_path.glob("*.cubin"))) == len(set(launched)) >= 15
+
+
+def test_bench_registers_reads_ptxas_report(capsys):
+    """`sanctum bench registers` compiles the tiled kernel's variants for sm_90 and reads back
+    ptxas's registers, spills and shared memory; the blocks an SM follow sm_90's limits (two
+    blocks of 256 threads up to 128 registers a thread, one above)."""
+    from sanctum.bench.registers import VARIANTS, blocks_per_sm
+    from sanctum.cli import main
+
+    assert (blocks_per_sm(128, 32768), blocks_per_sm(129, 32768), blocks_per_sm(64, 32768)) == (
+        2, 1, 4)  # fmt: skip
+    assert blocks_per_sm(64, 120 * 1024) == 1  # shared memory bound
+    if build.Compiler.from_wheels("sm_90") is None:
+        pytest.skip("no NVRTC wheel (nvidia-cuda-nvrtc-cu12, nvidia-cuda-runtime-cu12)")
+    args = ["bench", "registers", "--shapes", "256x1024", "--rows", "64", "--arch", "sm_90"]
+    assert main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["ahead"], r["resident"]) for r in rows] == VARIANTS
+    for r in rows:
+        assert 32 <= r["registers"] <= 255 and r["smem_bytes"] == 2 * 64 * 128 * 2  # x, 2 tiles
+        assert r["blocks_an_sm"] == blocks_per_sm(r["registers"], r["smem_bytes"])
+    assert next(r for r in rows if r["resident"] == 2)["registers"] <= 128  # __launch_bounds__

@@ -80,10 +80,12 @@ def register(sub) -> None:
     from .cachesize import add_parser as add_cache_size
     from .ceiling import add_parser as add_tau_ceiling
     from .cuda import add_parser as add_cuda
+    from .registers import add_parser as add_registers
     from .seed import add_parser as add_seed
 
     add_seed(bsub)
     add_cuda(bsub)
+    add_registers(bsub)
     add_cache_size(bsub)
     add_tau_ceiling(bsub)
     b.set_defaults(func=main)
@@ -159,6 +161,13 @@ def cuda(args) -> dict:
     return run(args)
 
 
+def registers(args) -> list[dict]:
+    """The tiled 4-bit kernel's registers and blocks an SM, compiled only (bench/registers.py)."""
+    from .registers import run
+
+    return run(args)
+
+
 BENCHES = {
     "speculative": speculative,
     "multiturn": multiturn,
@@ -172,6 +181,7 @@ BENCHES = {
     "round-trace": round_trace,
     "seed": seed,
     "cuda": cuda,
+    "registers": registers,
     "cache-size": cache_size,
     "tau-ceiling": tau_ceiling,
 }

@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -131,8 +132,43 @@ class Compiler:
             return None
         return cls(nvrtc, arch, _include_paths())
 
-    def compile(self, text: str, name: str) -> bytes:
-        """The cubin of `text` for this GPU; raises RuntimeError with NVRTC's log."""
+    @classmethod
+    def from_wheels(cls, arch: str) -> Compiler | None:
+        """NVRTC and CUDA's headers from the nvidia-cuda-nvrtc-cu12 / nvidia-cuda-runtime-cu12
+        wheels (dev extras on Linux x86_64), compiling for `arch` on a machine without a GPU;
+        None where they are not installed."""
+        import importlib.util
+
+        found = []
+        for package, sub in (("nvidia.cuda_nvrtc", "lib"), ("nvidia.cuda_runtime", "include")):
+            spec = importlib.util.find_spec(package)
+            if spec is None or not spec.submodule_search_locations:
+                return None
+            found.append(Path(next(iter(spec.submodule_search_locations))) / sub)
+        libs = sorted(found[0].glob("libnvrtc.so.*[0-9]"))
+        if not libs:
+            return None
+        return cls(ctypes.CDLL(str(libs[0])), arch, [str(found[1])])
+
+    def resources(self, text: str, name: str) -> dict:
+        """What ptxas gives the kernel in `text` a thread (registers, spilled bytes) and a block
+        (static shared memory bytes), from its `-v` report."""
+        report = {}
+        self.compile(text, name, ["--ptxas-options=-v"], report)
+        found = {}
+        for key, pattern in (
+            ("registers", r"Used (\d+) registers"),
+            ("spill_stores", r"(\d+) bytes spill stores"),
+            ("spill_loads", r"(\d+) bytes spill loads"),
+            ("smem_bytes", r"(\d+) bytes smem"),
+        ):
+            m = re.search(pattern, report["log"])
+            found[key] = int(m.group(1)) if m else 0
+        return found
+
+    def compile(self, text: str, name: str, options=(), report: dict | None = None) -> bytes:
+        """The cubin of `text` for this GPU; raises RuntimeError with NVRTC's log. `options`:
+        more NVRTC options; `report`: gets NVRTC's log as "log"."""
         lib, prog = self.nvrtc, ctypes.c_void_p()
         _ok(
             lib.nvrtcCreateProgram(
@@ -141,15 +177,19 @@ class Compiler:
             "nvrtcCreateProgram",
         )
         try:
-            opts = [f"--gpu-architecture={self.arch}", "-std=c++17"]
+            opts = [f"--gpu-architecture={self.arch}", "-std=c++17", *options]
             opts += [f"--include-path={p}" for p in self.include_paths]
             arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-            if lib.nvrtcCompileProgram(prog, len(opts), arr) != 0:
+            failed = lib.nvrtcCompileProgram(prog, len(opts), arr) != 0
+            if failed or report is not None:
                 size = ctypes.c_size_t()
                 lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
                 buf = ctypes.create_string_buffer(size.value)
                 lib.nvrtcGetProgramLog(prog, buf)
-                raise RuntimeError(f"{name}: {buf.value.decode(errors='replace')[:2000]}")
+                text_log = buf.value.decode(errors="replace")
+                if failed:
+                    raise RuntimeError(f"{name}: {text_log[:2000]}")
+                report["log"] = text_log
             size = ctypes.c_size_t()
             _ok(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
             buf = ctypes.create_string_buffer(size.value)
@@ -239,26 +279,34 @@ class Kernel:
         self._binaries: dict[str, bytes | None] = {}  # entry -> its cubin (None: MLX builds)
         self._fallback = None
 
+    def entry(self, template, in_dtypes, out_dtypes) -> str:
+        """The name of this template's and these dtypes' build."""
+        # the dtypes in the name too: MLX keeps a process's modules by the kernel's name
+        types = hashlib.sha256(str([*in_dtypes, *out_dtypes]).encode()).hexdigest()[:6]
+        return f"{self.name}{template_suffix(template)}_{types}"
+
+    def text(self, entry: str, template, in_dtypes, out_dtypes) -> str:
+        """The compilable source of that build (`kernel_source`)."""
+        return kernel_source(
+            entry,
+            self.header,
+            self.source,
+            list(zip(self.inputs, in_dtypes)),
+            list(zip(self.outputs, out_dtypes)),
+            template,
+        )
+
     def binary(self, template, in_dtypes, out_dtypes) -> tuple[str, bytes] | None:
         """(entry, cubin) of this template and these dtypes: from memory, from disk, or
         compiled and written there; None where NVRTC is not usable or the compile failed."""
-        # the dtypes in the name too: MLX keeps a process's modules by the kernel's name
-        types = hashlib.sha256(str([*in_dtypes, *out_dtypes]).encode()).hexdigest()[:6]
-        entry = f"{self.name}{template_suffix(template)}_{types}"
+        entry = self.entry(template, in_dtypes, out_dtypes)
         if entry in self._binaries:  # the entry names the template and the dtypes
             found = self._binaries[entry]
             return None if found is None else (entry, found)
         cc = compiler()
         cubin = None
         if cc is not None:
-            text = kernel_source(
-                entry,
-                self.header,
-                self.source,
-                list(zip(self.inputs, in_dtypes)),
-                list(zip(self.outputs, out_dtypes)),
-                template,
-            )
+            text = self.text(entry, template, in_dtypes, out_dtypes)
             digest = hashlib.sha256(f"{cc.version}\0{text}".encode()).hexdigest()[:16]
             path = builds_dir() / f"{entry}-{digest}.cubin"
             try:

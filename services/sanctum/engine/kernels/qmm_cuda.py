@@ -574,6 +574,41 @@ def tiled_splits(K: int, N: int, blocks: int | None = None) -> int:
     return -(-tiles // per)
 
 
+def tiled_build(
+    M: int,
+    K: int,
+    N: int,
+    blocks: int | None = None,
+    ahead: int | None = None,
+    resident: int | None = None,
+) -> tuple[build.Kernel, list, int]:
+    """The tiled kernel for x [M, K] and N features (`tiled_qmm`'s arguments): the kernel,
+    its template, and the ways K is split."""
+    resident = resident or TILED_RESIDENT
+    name = "sanctum_tiled_qmm" + ("" if resident == 1 else f"_r{resident}")
+    kernel = _kernel(name, TILED_SOURCE, tiled_header(resident), [*OPERANDS, "dims"])
+    splits = tiled_splits(K, N, blocks)
+    template = [
+        ("NT", -(-M // 8)),
+        ("K", K),
+        ("N", N),
+        ("WARPS", WARPS),
+        ("S", splits),
+        ("AHEAD", ahead or TILED_AHEAD),
+    ]
+    return kernel, template, splits
+
+
+def tiled_resources(compiler: build.Compiler, M: int, K: int, N: int, **variant) -> dict:
+    """What ptxas gives the tiled kernel of these shapes and `variant` (tiled_build's blocks,
+    ahead, resident) a thread and a block (build.Compiler.resources): compiled, not run."""
+    kernel, template, splits = tiled_build(M, K, N, **variant)
+    ins = [mx.uint16, mx.uint32, mx.uint16, mx.uint16, mx.int32]  # as tiled_qmm passes them
+    outs = [mx.uint16 if splits == 1 else mx.float32]
+    entry = kernel.entry(template, ins, outs)
+    return compiler.resources(kernel.text(entry, template, ins, outs), entry)
+
+
 def tiled_qmm(
     x: mx.array,
     w: mx.array,
@@ -587,22 +622,12 @@ def tiled_qmm(
     memory, 128 features a thread block, K split for `blocks` thread blocks (`tiled_splits`),
     the weights `ahead` (default TILED_AHEAD) tiles ahead, `resident` (default TILED_RESIDENT)
     blocks an SM; the splits' float32 sums added in order by `sum_splits`."""
-    resident = resident or TILED_RESIDENT
-    name = "sanctum_tiled_qmm" + ("" if resident == 1 else f"_r{resident}")
-    kernel = _kernel(name, TILED_SOURCE, tiled_header(resident), [*OPERANDS, "dims"])
     M, K = x.shape
     N = w.shape[0]
-    splits = tiled_splits(K, N, blocks)
+    kernel, template, splits = tiled_build(M, K, N, blocks, ahead, resident)
     (y,) = kernel(
         inputs=[*_operands(x, w, scales, biases), mx.array([M], dtype=mx.int32)],
-        template=[
-            ("NT", -(-M // 8)),
-            ("K", K),
-            ("N", N),
-            ("WARPS", WARPS),
-            ("S", splits),
-            ("AHEAD", ahead or TILED_AHEAD),
-        ],
+        template=template,
         grid=(32, WARPS * -(-N // (FEATURES * WARPS)), splits),
         threadgroup=(32, WARPS, 1),
         output_shapes=[(M, N) if splits == 1 else (splits, M, N)],
