@@ -11,6 +11,8 @@
 #   kernel-builds  the CUDA tests of sanctum's kept kernel builds (engine/kernels/build.py)
 #                against MLX's own builds of the same sources, and of every kernel against the
 #                MLX path; where they fail, the later steps run with SANCTUM_CUDA_BUILDS=mlx
+#   registers    the tiled 4-bit kernel's registers, spills and blocks an SM, by the NVRTC MLX
+#                loaded (bench registers: compiled, not run)
 #   build        the seed-shaped pair (bench seed --build-only; reused under SEED_DIR)
 #   qmm-wide     the wide 4-bit kernel's check and a chain of the seed's MLP products at 1..64
 #                rows: one wide call, 16 rows a call, MLX's
