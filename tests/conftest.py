@@ -4,6 +4,7 @@ loaded through the real loaders)."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from helpers import NO_GATE
@@ -12,6 +13,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # servers skip building their shared rounds' graphs at load (seconds per server, many servers);
 # tests/serving/test_serving.py turns it on where it is tested
 os.environ.setdefault("SANCTUM_WARM_SHARED", "0")
+
+
+def pytest_runtest_logreport(report):
+    """SANCTUM_TEST_FAILURES_AT_ONCE=1: each failure's report on stderr as it happens, for runs
+    that a time limit may stop before pytest's summary (deploy/gpu/concurrency.sh)."""
+    if report.failed and os.environ.get("SANCTUM_TEST_FAILURES_AT_ONCE") == "1":
+        sys.stderr.write(
+            f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n"
+        )
 
 
 @pytest.fixture(scope="session")

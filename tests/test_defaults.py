@@ -34,12 +34,13 @@ def test_shared_rounds_are_on_by_default(monkeypatch):
         settings.serve_settings()
 
 
-def test_a_shared_rollback_is_gathered_unless_views_are_asked_for(monkeypatch):
-    """SANCTUM_SHARED_ROLLBACK: gather by default, views on request, anything else refused."""
+def test_a_shared_rollback_takes_views_unless_another_way_is_asked_for(monkeypatch):
+    """SANCTUM_SHARED_ROLLBACK: views by default, gather or rerun on request, anything else
+    refused."""
     from sanctum.settings import device_settings
 
-    assert device_settings({}).shared_rollback == "gather"
-    assert device_settings({"SANCTUM_SHARED_ROLLBACK": "views"}).shared_rollback == "views"
+    assert device_settings({}).shared_rollback == "views"
+    assert device_settings({"SANCTUM_SHARED_ROLLBACK": "gather"}).shared_rollback == "gather"
     assert device_settings({"SANCTUM_SHARED_ROLLBACK": "rerun"}).shared_rollback == "rerun"
     with pytest.raises(ValueError, match="SANCTUM_SHARED_ROLLBACK"):
         device_settings({"SANCTUM_SHARED_ROLLBACK": "copy"})

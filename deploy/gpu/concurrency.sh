@@ -217,12 +217,13 @@ s_seed_rerun() { seed_pair && step seed-rerun 200 env SANCTUM_SHARED_ROLLBACK=re
 s_seed_views() { seed_pair && step seed-views 200 env SANCTUM_SHARED_ROLLBACK=views "${seed_steady[@]}"; }
 s_seed_tau5() { seed_pair && step seed-tau5 200 "${seed_steady[@]}" --force-tau 5; }
 s_default_served() {
-  step default-served 150 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm \
+  step default-served 240 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm \
     --repeats 3 --json
 }
 s_cuda_tests() {  # (pytest's report is not JSON: it goes to stderr.txt)
   local cuda_tests=(tests/engine/test_cuda.py tests/engine/test_lookup.py tests/engine/test_batch_rounds.py)
-  step cuda-tests 240 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovider -rf \
+  # each failure reported as it happens: a step cut short by its limit still names them
+  step cuda-tests 240 env SANCTUM_TEST_FAILURES_AT_ONCE=1 sh -c 'exec "$@" 1>&2' _ "$py" -m pytest -q -p no:cacheprovider -rf \
     -k "not cluster and not scheduler" "${cuda_tests[@]}"
 }
 s_qmm_profile() {  # where the tiled kernel's time goes, by Nsight Compute where the machine has it

@@ -180,7 +180,7 @@ class DeviceSettings:
     # mlx: built by mx.fast.cuda_kernel in every process
     cuda_builds: str = var("SANCTUM_CUDA_BUILDS", "cache")
     # how a shared verify through the GDN kernel is rolled back: gather | views | rerun (gdn.py)
-    shared_rollback: str = var("SANCTUM_SHARED_ROLLBACK", "gather")
+    shared_rollback: str = var("SANCTUM_SHARED_ROLLBACK", "views")
     fused_projections: str = var("SANCTUM_FUSED_PROJECTIONS", "on")  # off: each on its own
     cpu_jit: str = var("SANCTUM_CPU_JIT", "native")  # off: MLX's own compiler command
     draft_ahead: str = var("SANCTUM_DRAFT_AHEAD", "auto")  # auto (on a GPU) | on | off

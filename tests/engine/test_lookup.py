@@ -262,15 +262,37 @@ def test_looked_up_blocks_grow_while_accepted_whole_alone_and_shared(make_pair, 
             live = [i for i in live if seqs[i].finished is None]
         return got
 
-    # every block looked up: each as wide as alone
+    if is_cuda():  # a shared verify's products round last bits unlike a solo one's there
+        s3 = tokens_of(generate(target, ids["s3"], max_tokens=6, eos_ids=set()))
+        reference = {
+            "s0": plain["s0"][:100],
+            "s1": plain["s1"][:97],
+            "s2": plain["s2"][:eos_at],
+            "s3": s3,
+        }
+
+    def same_as_alone(got: dict) -> None:
+        """Each shared run's tokens are its solo run's (on CUDA: plain greedy's up to its
+        first near tie, as the solo run's are)."""
+        for seq_id, (out, _) in got.items():
+            if is_cuda():
+                assert_greedy_equal(target, ids[seq_id], reference[seq_id], out, seq_id)
+            else:
+                assert out == alone[seq_id][0], seq_id
+
+    # every block looked up: each as wide as alone (on CUDA the widths follow the tokens, which
+    # may part from the solo run's after a near tie)
     got = shared(specs[:3])
-    assert {k: (out, [w[:2] for w in ws]) for k, (out, ws) in got.items()} == {
-        k: v for k, v in alone.items() if k != "s3"
-    }
+    same_as_alone(got)
+    if not is_cuda():
+        assert {k: [w[:2] for w in ws] for k, (_, ws) in got.items()} == {
+            k: v[1] for k, v in alone.items() if k != "s3"
+        }
     # beside a sequence that drafts, looked-up blocks are no wider than its block (the verify
     # pads every block to the widest): the same tokens in more rounds
     got = shared(specs)
-    for seq_id, (out, widths) in got.items():
-        assert out == alone[seq_id][0], seq_id
+    same_as_alone(got)
+    for seq_id, (_, widths) in got.items():
         assert all(bs <= 8 for bs, _, drafting in widths if drafting), seq_id
-    assert any(bs == 32 for bs, _, drafting in got["s1"][1] if not drafting)
+    if not is_cuda():
+        assert any(bs == 32 for bs, _, drafting in got["s1"][1] if not drafting)

@@ -63,16 +63,17 @@ BLOCK_KERNEL_KEEPS_ROWS = False
 ROLLBACK_VIEWS = True
 # How a shared verify (N > 1 sequences through the block kernel) is rolled back
 # (SANCTUM_SHARED_ROLLBACK, set by cuda.prepare):
+# - "views" (the default: half the gather's time on an H100, docs/performance.md): the pass
+#   keeps every row's state, and each sequence is rolled back by its own tape, whose rows are
+#   a slice of the pass's (with ROLLBACK_VIEWS no kernel; every sequence's rows stay alive
+#   until the next pass's rollback);
 # - "gather": the pass keeps every row's state, and the kept ones are gathered for all
 #   sequences at once (a few kernels a layer, the rows' buffer freed at once);
-# - "views": the pass keeps every row's state, and each sequence is rolled back by its own
-#   tape, whose rows are a slice of the pass's (with ROLLBACK_VIEWS no kernel; every
-#   sequence's rows stay alive until the next pass's rollback);
 # - "rerun": the pass keeps no rows' states (at the seed's shape they are 3 MB a row and
 #   layer: 8 sequences' blocks write 0.2 GB a layer), only the kernel's inputs, and the rollback
 #   runs the kernel again over each sequence's kept rows, all sequences in one launch a layer:
 #   the same rows' arithmetic in the same order, so the state the taped pass would have kept.
-SHARED_ROLLBACK = "gather"
+SHARED_ROLLBACK = "views"
 # Prefill (untaped multi-row passes) through mlx-lm's own recurrence, the token loop off Apple
 # GPUs: a bf16 prefill is then bit for bit mlx-lm's (the chunked form's float32 sums differ in
 # the last bits, which a bf16 model can carry into a different token). Slower; for checks.
@@ -213,7 +214,7 @@ def _kernel_for(head_k_dim: int) -> bool:
 
 
 def use_block_kernel(
-    kernel, keeps_rows: bool, in_compile: bool, shared_rollback: str = "gather"
+    kernel, keeps_rows: bool, in_compile: bool, shared_rollback: str = "views"
 ) -> None:
     """The block kernel multi-row passes take from now on (kernels/cuda.py's `prepare`, once
     its check agreed; None: the MLX path), and how a shared verify is rolled back
