@@ -27,8 +27,8 @@
 #                the tiled kernel's weights as far ahead as ran fastest in qmm-tiled
 #   seed-rerun   seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=rerun (a shared
 #                verify keeps no rows' states; its rollback runs the GDN kernel again)
-#   seed-views   seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=views (a shared
-#                rollback as slices of the rows' states, against seed-steady's gather)
+#   seed-gather  seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=gather (a shared
+#                rollback gathers the kept rows' states, against seed-steady's views)
 #   seed-tau5    seed-steady's levels with acceptance forced to tau 5 (random weights accept
 #                none)
 #   default-served  bench batch --concurrency 1,4,8 --warm --repeats 3 on the default pair, served
@@ -214,7 +214,7 @@ print(rows[-1]["target"], rows[-1]["drafter"]) if rows else None' "$lines")
 }
 s_seed_steady() { seed_pair && step seed-steady 240 "${seed_steady[@]}"; }
 s_seed_rerun() { seed_pair && step seed-rerun 200 env SANCTUM_SHARED_ROLLBACK=rerun "${seed_steady[@]}"; }
-s_seed_views() { seed_pair && step seed-views 200 env SANCTUM_SHARED_ROLLBACK=views "${seed_steady[@]}"; }
+s_seed_gather() { seed_pair && step seed-gather 200 env SANCTUM_SHARED_ROLLBACK=gather "${seed_steady[@]}"; }
 s_seed_tau5() { seed_pair && step seed-tau5 200 "${seed_steady[@]}" --force-tau 5; }
 s_default_served() {
   step default-served 240 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm \
@@ -256,7 +256,7 @@ s_seed_trace() {
 }
 s_default_steady() { step default-steady 120 "${bench[@]}" batch "${steady[@]}"; }
 
-ALL="kernel-builds registers build qmm-wide qmm-tiled qmm-profile seed-steady seed-rerun seed-views seed-tau5 default-served cuda-tests
+ALL="kernel-builds registers build qmm-wide qmm-tiled qmm-profile seed-steady seed-rerun seed-gather seed-tau5 default-served cuda-tests
 default-gaps seed-wide seed-split seed-trace default-steady"
 STEPS=$(echo ${STEPS:-$ALL})
 case " $STEPS " in *" seed-"*) case " $STEPS " in *" build "*) ;; *) STEPS="build $STEPS" ;; esac ;; esac
