@@ -41,6 +41,8 @@
 #                not the tiled one that auto picks where it passed)
 #   seed-split   seed-steady's real levels again with SANCTUM_QMM_WIDE=off (16 rows a call)
 #   seed-trace   bench round-trace at 1,4,8 on it: each piece of a round timed and op-counted
+#   seed-trace-gdn  the same with --gdn-parts: the GDN layers' projections, conv and block kernel
+#                each a piece (the layers uncompiled)
 #   default-steady  the same as seed-steady on the default pair
 # MLX builds its own CUDA kernels at first use, kept under MLX_PTX_CACHE_DIR for later runs;
 # sanctum's kernels are kept under $SANCTUM_HOME/cuda-builds (engine/kernels/build.py). After
@@ -254,10 +256,14 @@ s_seed_trace() {
   seed_pair && step seed-trace 150 "${bench[@]}" round-trace --model "$target" \
     --drafter "$drafter" --passes "$passes" --warm-rounds "$warm" --lines
 }
+s_seed_trace_gdn() {
+  seed_pair && step seed-trace-gdn 150 "${bench[@]}" round-trace --model "$target" \
+    --drafter "$drafter" --passes "$passes" --warm-rounds "$warm" --gdn-parts --lines
+}
 s_default_steady() { step default-steady 120 "${bench[@]}" batch "${steady[@]}"; }
 
 ALL="kernel-builds registers build qmm-wide qmm-tiled qmm-profile seed-steady seed-rerun seed-gather seed-tau5 default-served cuda-tests
-default-gaps seed-wide seed-split seed-trace default-steady"
+default-gaps seed-wide seed-split seed-trace seed-trace-gdn default-steady"
 STEPS=$(echo ${STEPS:-$ALL})
 case " $STEPS " in *" seed-"*) case " $STEPS " in *" build "*) ;; *) STEPS="build $STEPS" ;; esac ;; esac
 for name in $STEPS; do

@@ -176,6 +176,31 @@ def test_round_trace_times_and_counts_each_piece(make_pair, capsys):
     growth = out["growth_vs_one"]
     assert growth["attention"]["nodes"][1] > 1  # its cache part runs once per sequence
     assert (batch.attention_over, batch._gdn_batch, batch._add_contexts) == real
+    # ops of the verify between its pieces (norms, embeddings) are its own device time
+    assert all(r["pieces"]["verify_rest"]["between_ms"] > 0 for r in out["levels"])
+
+
+def test_round_trace_splits_the_gdn_layers_and_leaves_them_compiled_after(make_pair, capsys):
+    """bench round-trace --gdn-parts: the GDN layers' projections, conv and recurrence (the
+    CPU's chunked form) each a piece of their own, inside the layer's; the layers are compiled
+    again afterwards."""
+    from sanctum.cli import main
+    from sanctum.engine.model import gdn
+
+    before = (gdn.COMPILE_MAX_ROWS, gdn._project, gdn.block_conv, gdn.chunked_gated_delta)
+    target_dir, drafter_dir = make_pair("hybrid", "dflash")
+    argv = ["bench", "round-trace", "--model", str(target_dir), "--drafter", str(drafter_dir),
+            "--concurrency", "2", "--passes", "1", "--warm-rounds", "1", "--gdn-parts", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["gdn_parts"] is True
+    for row in out["levels"]:
+        pieces = row["pieces"]
+        layers = pieces["gdn"]["calls"]
+        for part in ("gdn_projections", "gdn_conv", "gdn_chunked"):
+            assert pieces[part]["calls"] == layers and pieces[part]["nodes"] > 0, part
+        assert pieces["gdn"]["between_ms"] > 0  # its ops before the recurrence (q, k norms...)
+    assert (gdn.COMPILE_MAX_ROWS, gdn._project, gdn.block_conv, gdn.chunked_gated_delta) == before
 
 
 def test_bench_seed_build_only_prints_the_pair(tmp_path, capsys):
