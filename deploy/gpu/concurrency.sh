@@ -13,6 +13,9 @@
 #                MLX path; where they fail, the later steps run with SANCTUM_CUDA_BUILDS=mlx
 #   registers    the tiled 4-bit kernel's registers, spills and blocks an SM, by the NVRTC MLX
 #                loaded (bench registers: compiled, not run)
+#   weight-reads  4-bit weights streamed in the tiled kernel's pattern (16 rows, 64 bytes each a
+#                tile), four tiles at once, and as if laid out tile-major, against MLX's
+#                reduction over the same bytes (bench weight-reads: TB/s)
 #   build        the seed-shaped pair (bench seed --build-only; reused under SEED_DIR)
 #   qmm-wide     the wide 4-bit kernel's check and a chain of the seed's MLP products at 1..64
 #                rows: one wide call, 16 rows a call, MLX's
@@ -256,13 +259,14 @@ s_seed_trace() {
   seed_pair && step seed-trace 150 "${bench[@]}" round-trace --model "$target" \
     --drafter "$drafter" --passes "$passes" --warm-rounds "$warm" --lines
 }
+s_weight_reads() { step weight-reads 60 "${bench[@]}" weight-reads --json; }
 s_seed_trace_gdn() {
   seed_pair && step seed-trace-gdn 150 "${bench[@]}" round-trace --model "$target" \
     --drafter "$drafter" --passes "$passes" --warm-rounds "$warm" --gdn-parts --lines
 }
 s_default_steady() { step default-steady 120 "${bench[@]}" batch "${steady[@]}"; }
 
-ALL="kernel-builds registers build qmm-wide qmm-tiled qmm-profile seed-steady seed-rerun seed-gather seed-tau5 default-served cuda-tests
+ALL="kernel-builds registers weight-reads build qmm-wide qmm-tiled qmm-profile seed-steady seed-rerun seed-gather seed-tau5 default-served cuda-tests
 default-gaps seed-wide seed-split seed-trace seed-trace-gdn default-steady"
 STEPS=$(echo ${STEPS:-$ALL})
 case " $STEPS " in *" seed-"*) case " $STEPS " in *" build "*) ;; *) STEPS="build $STEPS" ;; esac ;; esac

@@ -82,10 +82,12 @@ def register(sub) -> None:
     from .cuda import add_parser as add_cuda
     from .registers import add_parser as add_registers
     from .seed import add_parser as add_seed
+    from .weightreads import add_parser as add_weight_reads
 
     add_seed(bsub)
     add_cuda(bsub)
     add_registers(bsub)
+    add_weight_reads(bsub)
     add_cache_size(bsub)
     add_tau_ceiling(bsub)
     b.set_defaults(func=main)
@@ -168,6 +170,13 @@ def registers(args) -> list[dict]:
     return run(args)
 
 
+def weight_reads(args) -> dict:
+    """4-bit weights read in the tiled kernel's pattern and others (bench/weightreads.py)."""
+    from .weightreads import run
+
+    return run(args)
+
+
 BENCHES = {
     "speculative": speculative,
     "multiturn": multiturn,
@@ -182,6 +191,7 @@ BENCHES = {
     "seed": seed,
     "cuda": cuda,
     "registers": registers,
+    "weight-reads": weight_reads,
     "cache-size": cache_size,
     "tau-ceiling": tau_ceiling,
 }
