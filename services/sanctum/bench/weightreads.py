@@ -19,7 +19,8 @@ Each reads every word of the weights, scales and biases (the XOR of what it read
 checked), with the tiled kernel's grid (128 features a block, K split as it splits it).
 Timed over a chain of the seed's MLP shapes (8 pairs of 17408 x 5120 and 5120 x 17408:
 0.76 GB with scales and biases, far more than L2); MLX's own reduction over the same words
-gives the card's streaming rate. CUDA only: on a CPU machine `--arch` compiles the kernels and reads ptxas's report.
+gives the card's streaming rate. CUDA only: on a CPU machine `--arch` compiles the kernels
+and reads ptxas's report.
 """
 
 from __future__ import annotations
