@@ -189,6 +189,34 @@ def test_events_over_the_socket_and_the_ray_stream_agree(cluster, engine):
 
 
 @pytest.mark.slow
+def test_a_listing_right_after_a_request_shows_its_save_however_slow_the_store(
+    cluster, pair, tmp_path
+):
+    """A request's prompt-cache entry is sent to the store by the verifier and listed or
+    cleared by the front end: two callers, whose calls Ray does not order. With a store whose
+    saves take 2 s, a listing right after a request ends waits for its save instead of
+    missing it, and a clear right after one clears it too."""
+    from sanctum.cluster.backend import start_cluster
+    from sanctum.serving.requests import GenerateRequest
+    from sanctum.settings import serve_settings
+
+    settings = serve_settings(pair[0], pair[1], cache_dir=str(tmp_path), env=NO_GATE)
+    backend = start_cluster(settings, save_delay_s=2.0)  # beside the module's cluster
+    try:
+        backend.ready(300)
+        assert backend.list_cache() == []
+        list(backend.submit(GenerateRequest(prompt=PROMPTS[0], max_tokens=6)))
+        t0 = time.monotonic()
+        assert len(backend.list_cache()) == 1
+        assert time.monotonic() - t0 > 1.0  # it waited for the save
+        list(backend.submit(GenerateRequest(prompt=PROMPTS[1], max_tokens=6)))
+        assert backend.clear_cache() == 2  # the one just saved as well
+        assert backend.list_cache() == []
+    finally:
+        backend.close()
+
+
+@pytest.mark.slow
 def test_drafter_dies_mid_request(cluster, engine):
     backend, client = cluster
     _, _, reference = engine

@@ -140,7 +140,7 @@ class DrafterActor:
 class StoreActor:
     """The ladder store; with a directory it reloads its entries after a restart."""
 
-    def __init__(self, cache: CacheSettings, processes: RoleProcesses):
+    def __init__(self, cache: CacheSettings, processes: RoleProcesses, save_delay_s: float = 0.0):
         _setup_process(processes)
         from ..cache.store import PromptStore
         from .store import StoreService
@@ -148,6 +148,7 @@ class StoreActor:
         self.service = StoreService(
             PromptStore(cache.max_bytes, cache.directory, cache.ladder_bytes)
         )
+        self.save_delay_s = save_delay_s  # a test knob, never a setting: a slower disk's saves
         log.info(
             "ladder store: %d entries loaded from %s", len(self.service.store), cache.directory
         )
@@ -161,6 +162,8 @@ class StoreActor:
         return self.service.plan(query)
 
     def put(self, header: bytes, arrays: list[np.ndarray]) -> str:
+        if self.save_delay_s:
+            time.sleep(self.save_delay_s)
         return self.service.put(header, arrays)
 
     def list(self, model_key: str = "") -> list[EntryInfo]:
@@ -258,6 +261,10 @@ class VerifierActor:
 
     def cancel(self, request_id: str) -> bool:
         return self.scheduler.cancel(request_id)
+
+    def flush_saves(self, timeout_s: float = 10.0) -> int:
+        """Wait for the prompt-cache saves sent so far (StoreProxy.flush); how many are left."""
+        return self.store.flush(timeout_s) if self.store is not None else 0
 
     def stats(self) -> Stats:
         out = serving_stats(

@@ -57,9 +57,11 @@ def role_blas_threads(processes: RoleProcesses, usable: int | None = None) -> di
     }
 
 
-def start_cluster(settings: ServeSettings, round_delay: RoundDelay | None = None) -> ClusterBackend:
+def start_cluster(
+    settings: ServeSettings, round_delay: RoundDelay | None = None, save_delay_s: float = 0.0
+) -> ClusterBackend:
     """Create the three actors on the connected Ray cluster (ray.init first); `round_delay`: a
-    slower target (benchmarks, tests)."""
+    slower target, `save_delay_s`: a slower store's saves (benchmarks, tests)."""
     if not ray.is_initialized():
         raise RuntimeError("ray.init() first (a local cluster, or RAY_ADDRESS)")
     if not Path(settings.engine.model, "config.json").is_file():  # the tiny pair, on first use
@@ -83,7 +85,7 @@ def start_cluster(settings: ServeSettings, round_delay: RoundDelay | None = None
 
     prefix = f"sanctum-{uuid.uuid4().hex[:8]}"
     store = StoreActor.options(**opts("store", name=f"{prefix}-store", max_task_retries=0)).remote(
-        settings.cache, settings.processes
+        settings.cache, settings.processes, save_delay_s
     )
     drafter = None
     if settings.engine.drafter:
@@ -266,7 +268,14 @@ class ClusterBackend:
         with contextlib.suppress(Exception):  # a dead verifier has nothing left to cancel
             self.verifier.cancel.remote(request_id)
 
+    def _saved(self, timeout_s: float = 10.0) -> None:
+        """The saves the verifier has sent are stored (waiting up to `timeout_s`): what a
+        listing, a clear or the counters say then includes every request already ended."""
+        with contextlib.suppress(Exception):  # a verifier away has no saves in flight
+            ray.get(self.verifier.flush_saves.remote(timeout_s), timeout=timeout_s + 5)
+
     def stats(self) -> Stats:
+        self._saved(timeout_s=2.0)  # (metrics scrapes call this: a short wait at most)
         try:
             out: Stats = ray.get(self.verifier.stats.remote(), timeout=10)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -286,9 +295,11 @@ class ClusterBackend:
             raise Unavailable("the ladder store is restarting; retry shortly") from None
 
     def list_cache(self, model_key: str = "") -> list[EntryInfo]:
+        self._saved()
         return self._store_call(self.store.list, model_key)
 
     def clear_cache(self, model_key: str = "") -> int:
+        self._saved()
         return self._store_call(self.store.clear, model_key)
 
     def pids(self) -> dict[str, int]:

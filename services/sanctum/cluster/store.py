@@ -8,12 +8,15 @@ never get pickled. Its counters and listing travel as plain values (serving/stat
 
 `StoreProxy` gives the verifier the store interface it expects (`plan`, `put`). When the actor
 is down, `plan` fails fast (the verifier then serves uncached) and a background ping notices
-when it is back; `put` is fire-and-forget (a lost save costs a future cache hit, nothing else).
+when it is back; `put` is fire-and-forget (a lost save costs a future cache hit, nothing else),
+and `flush` waits for the saves sent so far (the front end's listing and clearing come after a
+request's save: cluster/backend.py).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import numpy as np
@@ -90,6 +93,10 @@ class StoreProxy:
         self.timeout_s = timeout_s
         self.max_transfer_bytes = max_transfer_bytes  # bigger entries are not shipped
         self._probe = None  # ObjectRef of a ping while the store is considered down
+        # saves sent and not yet known done (`flush`); put runs on the scheduler's thread,
+        # flush on an actor call's
+        self._saves: list = []
+        self._saves_lock = threading.Lock()
 
     @property
     def available(self) -> bool:
@@ -168,4 +175,25 @@ class StoreProxy:
             created=entry.created,
             prompt_len=entry.prompt_len,
         )
-        self.handle.put.remote(header.SerializeToString(), ray.put(host_copies(arrays)))
+        ref = self.handle.put.remote(header.SerializeToString(), ray.put(host_copies(arrays)))
+        with self._saves_lock:
+            if self._saves:  # forget those done (a failed one is done too)
+                _, self._saves = ray.wait(self._saves, num_returns=len(self._saves), timeout=0)
+            self._saves.append(ref)
+
+    def flush(self, timeout_s: float = 10.0) -> int:
+        """Wait (up to `timeout_s`) for the saves sent so far to be stored; returns how many
+        are still on their way. A call that must see them (a listing, a clear) comes after:
+        Ray orders one caller's calls to an actor, not two callers' (the verifier saves, the
+        front end lists)."""
+        import ray
+
+        with self._saves_lock:
+            pending = list(self._saves)
+        if not pending:
+            return 0
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+        finished = set(done)
+        with self._saves_lock:
+            self._saves = [ref for ref in self._saves if ref not in finished]
+            return len(self._saves)
