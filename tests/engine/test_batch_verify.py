@@ -184,3 +184,49 @@ def _arrays(c) -> list[mx.array]:
         return [c[0], c[1]]
     parts = [t for kv in (c.keys, c.values) for t in (kv if isinstance(kv, tuple) else (kv,))]
     return [t[..., : c.offset, :] for t in parts]
+
+
+def test_steady_shared_passes_take_the_last_ones_stacked_caches_as_they_are(make_pair, monkeypatch):
+    """A shared verify hands each cache its row of the stacked KV and GDN states; after a
+    shared rollback the next shared verify over the same caches takes those stacked buffers
+    as they are (no copy of every sequence's KV and states) and leaves every cache, logit and
+    tap as stacking them afresh does, bit for bit. A solo forward lets one sequence's caches
+    go (model/stacks.py): the next shared pass stacks afresh, with the same results."""
+    from sanctum.engine.decode import batch
+    from sanctum.engine.model import attention, stacks
+
+    target, _ = load_pair(make_pair, "hybrid", "dflash")
+    ids = [target.tokenizer.encode(p) for p in PROMPTS[:3]]
+    blocks = mx.array([[5, 9, 100, 31, 2, 77, 8, 40], [11, 52, 7, 7, 90, 3, 61, 12],
+                       [13, 4, 200, 18, 6, 0, 0, 0]])  # fmt: skip
+    real = (attention._restack, batch.restacked)
+
+    def run(reuse: bool):
+        taken = []  # per layer call: whether it took the last pass's buffers
+        restack, restacked = real if reuse else (lambda *a: None, lambda *a: None)
+        monkeypatch.setattr(attention, "_restack", lambda *a: taken.append(r := restack(*a)) or r)
+        monkeypatch.setattr(batch, "restacked", lambda *a: taken.append(r := restacked(*a)) or r)
+        caches = [target.make_cache("fp16") for _ in ids]
+        for c, prompt in zip(caches, ids):
+            target.prefill(prompt, c)
+        outs, rounds = [], []
+        for keeps in ([3, 8, 1], [8, 2, 5], None, [4, 4, 4]):
+            if keeps is None:  # sequence 1 steps alone once
+                outs.append(target.forward(mx.array([7]), caches[1], (1, 3))[0])
+                assert stacks.TAG not in vars(caches[1][0]) and stacks.TAG not in vars(caches[1][1])
+                continue
+            taken.clear()
+            verified, tape = verify_batch(target, blocks, caches, (1, 3))
+            outs += [t for logits, taps, _ in verified for t in (logits, taps)]
+            target.rollback_batch(caches, tape, keeps)
+            rounds.append(sum(t is not None for t in taken))
+        mx.eval(outs, caches)
+        return outs, caches, rounds
+
+    got, got_caches, got_rounds = run(reuse=True)
+    want, want_caches, want_rounds = run(reuse=False)
+    layers = len(target.layers)
+    # the first pass and the one after the solo step stack afresh; the second takes every layer's
+    assert got_rounds == [0, layers, 0] and want_rounds == [0, 0, 0]
+    assert all(mx.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    _assert_same_caches(got_caches, want_caches, "steady")

@@ -26,7 +26,14 @@ from ..kernels import cuda
 from ..model.attention import SharedKV, attention_over, shared_kv
 from ..model.drafter import ContextCache, DraftBody
 from ..model.drafter.context import FetchedContext, padded_block_mask
-from ..model.gdn import GDNBatchTape, _math_for, batch_tape_entry, cache_states
+from ..model.gdn import (
+    GDNBatchTape,
+    _math_for,
+    batch_tape_entry,
+    cache_states,
+    restacked,
+    tag_stacked,
+)
 from ..model.target import BatchTape, DequantizedView, Target, VerifyTape, cache_offset
 
 
@@ -113,14 +120,20 @@ def _gdn_batch(mod, x: mx.array, caches: list, tapes: list[GDNBatchTape] | None)
     """`gdn.gdn_forward` over N sequences whose batch-1 states are stacked; with `tapes`,
     taped, appending the layer's GDNBatchTape."""
     N, S, _ = x.shape
-    convs, states = zip(*(cache_states(mod, c, 1, x.dtype) for c in caches))
-    state_in = mx.concatenate(states, axis=0)  # [N, Hv, Dv, Dk]
-    conv_state = mx.concatenate(convs, axis=0)  # [N, K-1, conv_dim]
+    stacked = restacked(caches)  # the last shared pass's, where the caches still hold them
+    if stacked is not None:
+        conv_state, state_in = stacked
+    else:
+        convs, states = zip(*(cache_states(mod, c, 1, x.dtype) for c in caches))
+        state_in = mx.concatenate(states, axis=0)  # [N, Hv, Dv, Dk]
+        conv_state = mx.concatenate(convs, axis=0)  # [N, K-1, conv_dim]
     out, conv_input, state, extra = _math_for(mod, tapes is not None, S)(x, conv_state, state_in)
-    convs = _rows(conv_input[:, -(mod.conv_kernel_size - 1) :, :])
-    for c, conv, row_state in zip(caches, convs, _rows(state)):
+    conv_out = conv_input[:, -(mod.conv_kernel_size - 1) :, :]
+    convs, rows = _rows(conv_out), _rows(state)
+    for c, conv, row_state in zip(caches, convs, rows):
         c[0], c[1] = conv, row_state
         c.advance(S)
+    tag_stacked(caches, conv_out, convs, state, rows)
     if tapes is not None:
         tapes.append(batch_tape_entry(mod, caches, conv_input, state_in, S, extra))
     return out

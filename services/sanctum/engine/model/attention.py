@@ -23,6 +23,7 @@ from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE, SuScaledRoPE,
 
 from ..kernels import fused
 from ..kernels.sdpa import scaled_dot_product_attention
+from . import stacks
 
 # RoPE classes that take an array of offsets (one per sequence) as mx.fast.rope does
 _ARRAY_OFFSET_ROPES = (nn.RoPE, Llama3RoPE, ProportionalRoPE, SuScaledRoPE, YarnRoPE)
@@ -79,6 +80,7 @@ def attention_over(attn, x: mx.array, masks, caches: list) -> mx.array:
     if isinstance(masks, SharedKV):
         return split(attn, x, lambda q, k, v: _attend_shared(attn, q, k, v, masks, caches))
     if split is None:
+        stacks.release(caches)  # the module writes them in place
         rows = [attn(x[n : n + 1], mask, c) for n, (mask, c) in enumerate(zip(masks, caches))]
         return mx.concatenate(rows, axis=0)
     return split(attn, x, lambda q, k, v: _attend_each(attn, q, k, v, masks, caches))
@@ -96,9 +98,11 @@ def _attend_shared(attn, q, k, v, shared: SharedKV, caches: list) -> mx.array:
     keys, values = _stacked(caches, shared.length)  # [N, kv_heads, capacity, head_dim]
     keys = mx.put_along_axis(keys, shared.positions, attn.rope(k, offset=shared.offset_array), 2)
     values = mx.put_along_axis(values, shared.positions, v, 2)
-    for c, kc, vc in zip(caches, mx.split(keys, N, axis=0), mx.split(values, N, axis=0)):
-        c.keys, c.values = kc, vc
+    stack = _Stack(keys, values, mx.split(keys, N, axis=0), mx.split(values, N, axis=0))
+    for n, c in enumerate(caches):
+        c.keys, c.values = stack.key_rows[n], stack.value_rows[n]
         c.offset += L
+    stacks.tag(caches, stack)
     T = shared.length
     out = scaled_dot_product_attention(
         queries, keys[:, :, :T], values[:, :, :T], None, attn.scale, shared.mask
@@ -106,12 +110,48 @@ def _attend_shared(attn, q, k, v, shared: SharedKV, caches: list) -> mx.array:
     return out.transpose(0, 2, 1, 3).reshape(N, L, -1)
 
 
+@dataclass
+class _Stack:
+    """A shared pass's stacked key and value buffers and the rows it handed its caches
+    (model/stacks.py)."""
+
+    keys: mx.array | None
+    values: mx.array | None
+    key_rows: list[mx.array]
+    value_rows: list[mx.array]
+
+
+def _restack(caches: list, capacity: int) -> tuple[mx.array, mx.array] | None:
+    """The last shared pass's buffers of `caches` where they still hold exactly what the
+    caches hold and `capacity` rows, else None. Taken buffers are let go by the stack and
+    the caches (the pass hands the caches new rows), so that the pass's write of the new
+    rows may reuse them in place (a buffer no other array shares)."""
+    stack = stacks.stack_of(caches)
+    if stack is None or stack.keys is None:
+        return None
+    if stack.keys.shape[0] != len(caches) or stack.keys.shape[2] < capacity:
+        return None
+    for n, c in enumerate(caches):
+        if c.keys is not stack.key_rows[n] or c.values is not stack.value_rows[n]:
+            return None
+    keys, values = stack.keys, stack.values
+    stack.keys = stack.values = None
+    stack.key_rows = stack.value_rows = []
+    for c in caches:
+        c.keys = c.values = None
+    return keys, values
+
+
 def _stacked(caches: list, length: int) -> tuple[mx.array, mx.array]:
     """The caches' key and value buffers stacked on the batch axis, at one capacity that holds
-    `length` rows: a buffer below it is widened (zeros after its rows), which happens once each
+    `length` rows: the last shared pass's as they are where `_restack` finds them, else a
+    copy, a buffer below that capacity widened (zeros after its rows), which happens once each
     time the longest sequence crosses a KV_STEP."""
     capacity = max(length, *(c.keys.shape[2] for c in caches))
     capacity = -(-capacity // KV_STEP) * KV_STEP
+    reused = _restack(caches, capacity)
+    if reused is not None:
+        return reused
     keys, values = [], []
     for c in caches:
         k, v = c.keys, c.values
@@ -129,6 +169,9 @@ def _attend_each(attn, q, k, v, masks: list, caches: list) -> mx.array:
     [N, L, heads * head_dim]."""
     N, L = q.shape[:2]
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+    # mlx-lm's update writes a cache's arrays in place (the same array objects, new contents):
+    # they are no longer rows of a shared pass's stack
+    stacks.release(caches)
     outs = []
     for n, (mask, c) in enumerate(zip(masks, caches)):
         row, offset = slice(n, n + 1), c.offset

@@ -33,6 +33,7 @@ from mlx_lm.models.gated_delta import (
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
 from ..kernels import fused, platform
+from . import stacks
 from .gdn_math import (  # noqa: F401  (gdn.<name>: the rule's math, reached through this module)
     CHUNK,
     DECAY_FLOOR,
@@ -158,11 +159,21 @@ class GDNBatchTape:
         kept = np.array([keeps.get(n, 0) for n in range(N)], np.int32)  # [N]
         n_conv = self.conv_input.shape[1] - self.entries[0].num_rows
         at = mx.array((kept[:, None] + np.arange(n_conv, dtype=np.int32))[..., None])
-        convs = _split_rows(mx.take_along_axis(self.conv_input, at, axis=1))
-        states = _split_rows(self._states_at(kept, any(k == 0 for k in keeps.values())))
-        for n in keeps:
+        conv_all = mx.take_along_axis(self.conv_input, at, axis=1)
+        state_all = self._states_at(kept, any(k == 0 for k in keeps.values()))
+        caches = [e.cache for e in self.entries]
+        kept_all = restacked(caches) if len(keeps) < N else None
+        if kept_all is not None:  # the sequences not rolled back keep the pass's rows, in
+            # the same stack (one select a layer), so that the next shared pass takes it whole
+            rolled = np.isin(np.arange(N), list(keeps))
+            conv_all = mx.where(mx.array(rolled[:, None, None]), conv_all, kept_all[0])
+            state_all = mx.where(mx.array(rolled[:, None, None, None]), state_all, kept_all[1])
+        convs, states = _split_rows(conv_all), _split_rows(state_all)
+        for n in keeps if kept_all is None else range(N):
             cache = self.entries[n].cache
             cache[0], cache[1] = convs[n], states[n]
+        if len(keeps) == N or kept_all is not None:  # every cache a row of these
+            tag_stacked(caches, conv_all, convs, state_all, states)
 
     def _states_at(self, keeps: np.ndarray, none_kept: bool = True) -> mx.array:
         """The recurrent state of each sequence after its keeps[n] rows ([N, Hv, Dv, Dk]), by
@@ -185,6 +196,35 @@ class GDNBatchTape:
         flat = self.row_states.reshape(N * S, *self.row_states.shape[2:])
         picked = mx.take(flat, mx.array(np.arange(N) * S + last), axis=0)
         return mx.where(kept, picked, self.state_in) if none_kept else picked
+
+
+@dataclass
+class _StateStack:
+    """A shared pass's (or shared rollback's) stacked conv and recurrent states and the rows
+    it handed its caches (model/stacks.py)."""
+
+    conv: mx.array  # [N, K-1, conv_dim]
+    state: mx.array  # [N, Hv, Dv, Dk]
+    convs: list[mx.array]
+    states: list[mx.array]
+
+
+def tag_stacked(caches: list, conv, convs, state, states) -> None:
+    """Mark each of `caches` (one GDN layer's, in order) as holding its row of `conv` and
+    `state` (`convs[n]`, `states[n]`)."""
+    stacks.tag(caches, _StateStack(conv, state, list(convs), list(states)))
+
+
+def restacked(caches: list) -> tuple[mx.array, mx.array] | None:
+    """(conv state, recurrent state) stacked for `caches` without a copy, where every cache
+    still holds the row a shared pass or rollback handed it, in this order; else None."""
+    stack = stacks.stack_of(caches)
+    if not isinstance(stack, _StateStack) or len(stack.states) != len(caches):
+        return None
+    for n, c in enumerate(caches):
+        if c[0] is not stack.convs[n] or c[1] is not stack.states[n]:
+            return None
+    return stack.conv, stack.state
 
 
 def _split_rows(x: mx.array) -> list[mx.array]:

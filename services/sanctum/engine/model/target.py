@@ -17,7 +17,7 @@ from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
 from ...settings import KV_MODES
 from ..kernels import cpu, cuda, fused, platform, sdpa
-from . import attention, gdn
+from . import attention, gdn, stacks
 from .checkpoint import CheckpointError, read_config, resolve_checkpoint
 from .gdn import COMPILE_MAX_ROWS, GDNBatchTape, GDNTape
 
@@ -122,6 +122,7 @@ class Target:
         taps ([S, len(tap_ids) * H], outputs of the listed layers) or None. With `tape`, GDN
         layers record what `rollback` needs.
         """
+        stacks.release(cache)  # its caches stop being rows of a shared pass's buffers
         h = self.embed_tokens(tokens[None])  # [1, S, H]
         S = h.shape[1]
         attn_mask = (
@@ -294,6 +295,7 @@ class Target:
         return [(cache[i][0], cache[i][1]) for i, g in enumerate(self.is_gdn) if g]
 
     def restore_recurrent_state(self, cache: list, states: list[tuple[mx.array, mx.array]]) -> None:
+        stacks.release(cache)
         gdn_ids = [i for i, g in enumerate(self.is_gdn) if g]
         if len(states) != len(gdn_ids):
             raise ValueError(f"snapshot has {len(states)} GDN layers, model has {len(gdn_ids)}")
