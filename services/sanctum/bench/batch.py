@@ -107,6 +107,12 @@ def add_parser(bsub) -> None:
         "--lines", action="store_true", help="with --steady: a JSON line per level as it ends"
     )
     p.add_argument(
+        "--context",
+        type=int,
+        default=0,
+        help="with --steady: tokens of held-out text before each prompt (long contexts)",
+    )
+    p.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -183,7 +189,7 @@ def steady(args, levels: list[int], taus: list[int] = (0,)) -> dict:
     key, rows = make_key(0), []
     for tau, n in [(tau, n) for tau in taus for n in levels]:
         decoder = decoders[tau]
-        prompts, seqs, out = open_level(decoder, settings, n, budget, key)
+        prompts, seqs, out = open_level(decoder, settings, n, budget, key, args.context)
         accepted: list[int] = []
         for _ in range(args.warm_rounds):
             _round(decoder, seqs, key, out, None)
@@ -264,13 +270,28 @@ def steady_budget(rounds: int, block_size: int) -> int:
     return 1 + rounds * max(block_size, LOOKUP_MAX_WIDTH)
 
 
-def open_level(decoder, settings, n: int, budget: int, key) -> tuple[list, list, list]:
+def open_level(
+    decoder, settings, n: int, budget: int, key, context: int = 0
+) -> tuple[list, list, list]:
     """N greedy sequences of the first N prompts, prefilled and started: (prompt ids,
-    sequences, each sequence's tokens so far)."""
+    sequences, each sequence's tokens so far). With `context`, each prompt comes after that
+    many tokens of held-out text (a different stretch each) and an end-of-text token."""
     from ..engine.decode.sampling import SamplingParams
 
     target = decoder.target
     prompts = [target.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
+    if context:
+        from ..tokenizer import EOT
+        from ..train.data import heldout_tokens
+
+        stream = heldout_tokens(target.path)
+        if stream.size < n * context:
+            raise ValueError(f"--context {context}: the held-out text has {stream.size} tokens")
+        eot = target.tokenizer.convert_tokens_to_ids(EOT)
+        prompts = [
+            [int(t) for t in stream[i * context : (i + 1) * context]] + [eot] + p
+            for i, p in enumerate(prompts)
+        ]
     seqs = [
         decoder.new_sequence(f"steady-{n}-{i}", settings.kv_mode, SamplingParams(), budget)
         for i in range(n)

@@ -156,23 +156,22 @@ class GDNBatchTape:
             for n, keep in keeps.items():  # (its entry's rows are a slice of the pass's)
                 self.entries[n].rollback(keep)
             return
-        kept = np.array([keeps.get(n, 0) for n in range(N)], np.int32)  # [N]
-        n_conv = self.conv_input.shape[1] - self.entries[0].num_rows
+        caches = [e.cache for e in self.entries]
+        rows = self.entries[0].num_rows
+        # the sequences not rolled back hold the pass's own rows, which (row states, a re-run,
+        # the chunk's parts alike) are their state after all its rows: taken with the others,
+        # every cache gets its row of one stack, for the next shared pass to take whole
+        whole = len(keeps) < N and restacked(caches) is not None
+        kept = np.array([keeps.get(n, rows if whole else 0) for n in range(N)], np.int32)
+        n_conv = self.conv_input.shape[1] - rows
         at = mx.array((kept[:, None] + np.arange(n_conv, dtype=np.int32))[..., None])
         conv_all = mx.take_along_axis(self.conv_input, at, axis=1)
         state_all = self._states_at(kept, any(k == 0 for k in keeps.values()))
-        caches = [e.cache for e in self.entries]
-        kept_all = restacked(caches) if len(keeps) < N else None
-        if kept_all is not None:  # the sequences not rolled back keep the pass's rows, in
-            # the same stack (one select a layer), so that the next shared pass takes it whole
-            rolled = np.isin(np.arange(N), list(keeps))
-            conv_all = mx.where(mx.array(rolled[:, None, None]), conv_all, kept_all[0])
-            state_all = mx.where(mx.array(rolled[:, None, None, None]), state_all, kept_all[1])
         convs, states = _split_rows(conv_all), _split_rows(state_all)
-        for n in keeps if kept_all is None else range(N):
+        for n in range(N) if whole else keeps:
             cache = self.entries[n].cache
             cache[0], cache[1] = convs[n], states[n]
-        if len(keeps) == N or kept_all is not None:  # every cache a row of these
+        if whole or len(keeps) == N:  # every cache a row of these
             tag_stacked(caches, conv_all, convs, state_all, states)
 
     def _states_at(self, keeps: np.ndarray, none_kept: bool = True) -> mx.array:
