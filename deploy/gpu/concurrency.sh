@@ -32,6 +32,8 @@
 #                verify keeps no rows' states; its rollback runs the GDN kernel again)
 #   seed-gather  seed-steady's real levels again with SANCTUM_SHARED_ROLLBACK=gather (a shared
 #                rollback gathers the kept rows' states, against seed-steady's views)
+#   seed-long    seed-steady's real levels with each prompt after 4,096 held-out tokens (--context:
+#                what the shared rounds' stacked KV costs at long contexts)
 #   seed-tau5    seed-steady's levels with acceptance forced to tau 5 (random weights accept
 #                none)
 #   default-served  bench batch --concurrency 1,4,8 --warm --repeats 3 on the default pair, served
@@ -220,6 +222,7 @@ print(rows[-1]["target"], rows[-1]["drafter"]) if rows else None' "$lines")
 s_seed_steady() { seed_pair && step seed-steady 240 "${seed_steady[@]}"; }
 s_seed_rerun() { seed_pair && step seed-rerun 200 env SANCTUM_SHARED_ROLLBACK=rerun "${seed_steady[@]}"; }
 s_seed_gather() { seed_pair && step seed-gather 200 env SANCTUM_SHARED_ROLLBACK=gather "${seed_steady[@]}"; }
+s_seed_long() { seed_pair && step seed-long 240 "${seed_steady[@]}" --context "${SEED_CONTEXT:-4096}"; }
 s_seed_tau5() { seed_pair && step seed-tau5 200 "${seed_steady[@]}" --force-tau 5; }
 s_default_served() {
   step default-served 240 "${bench[@]}" batch --concurrency 1,4,8 --max-tokens "$tokens" --warm \
@@ -266,7 +269,7 @@ s_seed_trace_gdn() {
 }
 s_default_steady() { step default-steady 120 "${bench[@]}" batch "${steady[@]}"; }
 
-ALL="kernel-builds registers weight-reads build qmm-wide qmm-tiled qmm-profile seed-steady seed-rerun seed-gather seed-tau5 default-served cuda-tests
+ALL="kernel-builds registers weight-reads build qmm-wide qmm-tiled qmm-profile seed-steady seed-rerun seed-gather seed-long seed-tau5 default-served cuda-tests
 default-gaps seed-wide seed-split seed-trace seed-trace-gdn default-steady"
 STEPS=$(echo ${STEPS:-$ALL})
 case " $STEPS " in *" seed-"*) case " $STEPS " in *" build "*) ;; *) STEPS="build $STEPS" ;; esac ;; esac

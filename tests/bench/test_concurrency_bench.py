@@ -90,6 +90,27 @@ def test_bench_batch_steady_counts_ops_and_judges_equality(make_pair, capsys):
     assert out["levels"][0]["ops"]["nodes_vs_one"] == 1.0
 
 
+def test_bench_batch_steady_with_a_long_context_before_each_prompt(make_pair, capsys, monkeypatch):
+    """--context T: each level's prompts come after T held-out tokens and an end-of-text token
+    (a different stretch each), and its outputs are judged against plain decoding of those."""
+    from sanctum.bench import batch
+
+    opened = []
+    real = batch.open_level
+
+    def recorded(*args, **kwargs):
+        prompts, seqs, out = real(*args, **kwargs)
+        opened.append(prompts)
+        return prompts, seqs, out
+
+    monkeypatch.setattr(batch, "open_level", recorded)
+    out = _steady(make_pair, capsys, "--context", "96")
+    assert out["equality"] == "equal" and len(opened) == 2  # levels 1 and 2
+    for prompts in opened:
+        assert all(len(p) > 96 for p in prompts)
+        assert len({tuple(p[:96]) for p in prompts}) == len(prompts)  # a different stretch each
+
+
 def test_bench_batch_steady_forces_acceptance(make_pair, capsys):
     """--force-tau 0,3: every level at the real acceptance, then every round, solo and shared,
     committing 3 tokens of each sequence (the test pair's random drafts accept far fewer),
