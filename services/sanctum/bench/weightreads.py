@@ -25,12 +25,11 @@ and reads ptxas's report.
 
 from __future__ import annotations
 
-import time
-
 import mlx.core as mx
 import numpy as np
 
 from ..engine.kernels import build, qmm_cuda
+from ..engine.kernels.qmm_checks import median_ms
 
 PATTERNS = {"rows": (0, 1), "rows-run4": (0, 4), "tile-major": (1, 1)}  # (layout, tiles a load)
 
@@ -158,21 +157,12 @@ def run(args) -> dict:
             for w, sb in mats[:2]
         )
 
-    def timed(fn) -> float:
-        mx.eval(fn())
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            mx.eval(fn())
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times))
-
     runs = {name: (lambda name=name: [read_all(*m, name) for m in mats]) for name in PATTERNS}
     runs["mlx-sum"] = lambda: [(w.sum(), sb.sum()) for w, sb in mats]  # MLX reads every word
     for name, fn in runs.items():
-        s = timed(fn)
-        result[f"{name}_ms"] = round(1000 * s, 3)
-        result[f"{name}_tb_s"] = round(total / s / 1e12, 3)
+        ms = median_ms(lambda fn=fn: mx.eval(fn()), reps)
+        result[f"{name}_ms"] = round(ms, 3)
+        result[f"{name}_tb_s"] = round(total / ms / 1e9, 3)
     return result
 
 
