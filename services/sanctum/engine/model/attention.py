@@ -98,11 +98,11 @@ def _attend_shared(attn, q, k, v, shared: SharedKV, caches: list) -> mx.array:
     keys, values = _stacked(caches, shared.length)  # [N, kv_heads, capacity, head_dim]
     keys = mx.put_along_axis(keys, shared.positions, attn.rope(k, offset=shared.offset_array), 2)
     values = mx.put_along_axis(values, shared.positions, v, 2)
-    stack = _Stack(keys, values, mx.split(keys, N, axis=0), mx.split(values, N, axis=0))
-    for n, c in enumerate(caches):
-        c.keys, c.values = stack.key_rows[n], stack.value_rows[n]
+    rows = list(zip(mx.split(keys, N, axis=0), mx.split(values, N, axis=0)))
+    for c, (kc, vc) in zip(caches, rows):
+        c.keys, c.values = kc, vc
         c.offset += L
-    stacks.tag(caches, stack)
+    stacks.tag(caches, (keys, values), rows)
     T = shared.length
     out = scaled_dot_product_attention(
         queries, keys[:, :, :T], values[:, :, :T], None, attn.scale, shared.mask
@@ -110,33 +110,16 @@ def _attend_shared(attn, q, k, v, shared: SharedKV, caches: list) -> mx.array:
     return out.transpose(0, 2, 1, 3).reshape(N, L, -1)
 
 
-@dataclass
-class _Stack:
-    """A shared pass's stacked key and value buffers and the rows it handed its caches
-    (model/stacks.py)."""
-
-    keys: mx.array | None
-    values: mx.array | None
-    key_rows: list[mx.array]
-    value_rows: list[mx.array]
-
-
 def _restack(caches: list, capacity: int) -> tuple[mx.array, mx.array] | None:
     """The last shared pass's buffers of `caches` where they still hold exactly what the
     caches hold and `capacity` rows, else None. Taken buffers are let go by the stack and
     the caches (the pass hands the caches new rows), so that the pass's write of the new
     rows may reuse them in place (a buffer no other array shares)."""
-    stack = stacks.stack_of(caches)
-    if stack is None or stack.keys is None:
+    stack = stacks.held(caches, lambda c: (c.keys, c.values))
+    if stack is None or stack.whole[0].shape[2] < capacity:
         return None
-    if stack.keys.shape[0] != len(caches) or stack.keys.shape[2] < capacity:
-        return None
-    for n, c in enumerate(caches):
-        if c.keys is not stack.key_rows[n] or c.values is not stack.value_rows[n]:
-            return None
-    keys, values = stack.keys, stack.values
-    stack.keys = stack.values = None
-    stack.key_rows = stack.value_rows = []
+    keys, values = stack.whole
+    stack.whole, stack.rows = None, []
     for c in caches:
         c.keys = c.values = None
     return keys, values

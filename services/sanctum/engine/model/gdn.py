@@ -197,33 +197,17 @@ class GDNBatchTape:
         return mx.where(kept, picked, self.state_in) if none_kept else picked
 
 
-@dataclass
-class _StateStack:
-    """A shared pass's (or shared rollback's) stacked conv and recurrent states and the rows
-    it handed its caches (model/stacks.py)."""
-
-    conv: mx.array  # [N, K-1, conv_dim]
-    state: mx.array  # [N, Hv, Dv, Dk]
-    convs: list[mx.array]
-    states: list[mx.array]
-
-
 def tag_stacked(caches: list, conv, convs, state, states) -> None:
     """Mark each of `caches` (one GDN layer's, in order) as holding its row of `conv` and
-    `state` (`convs[n]`, `states[n]`)."""
-    stacks.tag(caches, _StateStack(conv, state, list(convs), list(states)))
+    `state` (`convs[n]`, `states[n]`: model/stacks.py)."""
+    stacks.tag(caches, (conv, state), list(zip(convs, states)))
 
 
 def restacked(caches: list) -> tuple[mx.array, mx.array] | None:
     """(conv state, recurrent state) stacked for `caches` without a copy, where every cache
     still holds the row a shared pass or rollback handed it, in this order; else None."""
-    stack = stacks.stack_of(caches)
-    if not isinstance(stack, _StateStack) or len(stack.states) != len(caches):
-        return None
-    for n, c in enumerate(caches):
-        if c[0] is not stack.convs[n] or c[1] is not stack.states[n]:
-            return None
-    return stack.conv, stack.state
+    stack = stacks.held(caches, lambda c: (c[0], c[1]))
+    return stack.whole if stack is not None else None
 
 
 def _split_rows(x: mx.array) -> list[mx.array]:

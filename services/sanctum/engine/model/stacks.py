@@ -13,25 +13,41 @@ check cannot see.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 TAG = "_sanctum_stack"  # on a cache object: (its stack, its row in it)
 
 
-def tag(caches: list, stack) -> None:
-    """Mark `caches` (in order) as the rows of `stack`."""
+@dataclass
+class Stack:
+    """A shared pass's stacked arrays ([N, ...] each) and, per cache, the rows of them it was
+    handed, in the same order."""
+
+    whole: tuple | None
+    rows: list[tuple]
+
+
+def tag(caches: list, whole: tuple, rows: list[tuple]) -> None:
+    """Mark `caches` (in order) as holding `rows[n]`, their rows of `whole`."""
+    stack = Stack(tuple(whole), [tuple(r) for r in rows])
     for n, c in enumerate(caches):
         setattr(c, TAG, (stack, n))
 
 
-def stack_of(caches: list):
-    """The stack every one of `caches` is tagged with, each at its own place in order; else
-    None. (Whether its arrays are still the rows handed out is the caller's check.)"""
+def held(caches: list, holds) -> Stack | None:
+    """The stack every one of `caches` is tagged with, each at its own place in order and
+    still holding (`holds(cache)`, by identity) the rows it was handed; else None."""
     first = getattr(caches[0], TAG, None)
     if first is None:
         return None
     stack = first[0]
+    if stack.whole is None or len(stack.rows) != len(caches):
+        return None
     for n, c in enumerate(caches):
         tagged = getattr(c, TAG, None)
         if tagged is None or tagged[0] is not stack or tagged[1] != n:
+            return None
+        if any(a is not b for a, b in zip(holds(c), stack.rows[n], strict=True)):
             return None
     return stack
 
